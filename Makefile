@@ -1,0 +1,45 @@
+# Two commands on a fresh machine: `make train` and `make test` (each sets itself up).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.mtx-installed
+CONFIG ?= configs/multi30k_de_en.yaml
+RUN_DIR ?= runs/$(basename $(notdir $(CONFIG)))
+ARGS ?=
+
+.PHONY: install train test lint format bench bench-train bench-decode clean
+
+# torch is pinned first: the pin takes the CPU wheel on this machine (a regular build elsewhere);
+# pyproject.toml keeps the honest range torch>=2.4, which the pinned install already satisfies.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev,plot]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/mtx train --config $(CONFIG) --run-dir $(RUN_DIR) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check mtx tests scripts
+	$(BIN)/ruff format --check mtx tests scripts
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix mtx tests scripts
+	$(BIN)/ruff format mtx tests scripts
+
+bench: bench-train bench-decode
+
+bench-train: $(STAMP)
+	$(BIN)/python scripts/bench_train.py $(ARGS)
+
+bench-decode: $(STAMP)
+	$(BIN)/python scripts/bench_decode.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,282 @@
+"""`mtx` command line: parse arguments, load config or run, call the library.
+
+User mistakes end as one line `mtx: error: ...` on stderr and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from mtx import __version__
+from mtx.errors import MtxError
+
+log = logging.getLogger("mtx")
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Log lines that do not tear an active tqdm progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:  # logging must never raise
+            self.handleError(record)
+
+
+def _setup_logging(verbose: bool) -> None:
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    for noisy in ("datasets", "fsspec", "filelock", "urllib3", "httpx", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _add_decode_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", required=True, type=Path, help="run directory written by mtx train")
+    p.add_argument("--checkpoint", type=Path, help="checkpoint file (default: the run's best.pt, else last.pt)")
+    p.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: the run's decode.beam)")
+    p.add_argument("--length-penalty", type=float, help="GNMT length penalty alpha (default: decode.length_penalty)")
+    p.add_argument("--batch-tokens", type=int, help="decode batch size in source tokens (default: decode.batch_tokens)")
+    p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the decoder over the whole prefix each step")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mtx",
+        description="Train Transformer translation models on Multi30k, translate, and score with sacreBLEU.",
+    )
+    parser.add_argument("--version", action="version", version=f"mtx {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "train", help="train a model from a YAML config", description="Train a model from a YAML config."
+    )
+    p.add_argument("--config", type=Path, help="YAML config, e.g. configs/multi30k_de_en.yaml")
+    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<config name>)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key by its dotted name, e.g. --set train.max_steps=200 (repeatable)",
+    )
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from checkpoints/last.pt")
+
+    p = sub.add_parser(
+        "translate",
+        help="translate sentences with a trained run",
+        description="Translate each TEXT argument, or each line of standard input (no TEXT, or TEXT '-'). "
+        "One output line per input line; empty input lines give empty output lines.",
+    )
+    _add_decode_options(p)
+    p.add_argument(
+        "--nbest", type=int, default=1, help="print the K best translations per input as 'i ||| text ||| score'"
+    )
+    p.add_argument("text", nargs="*", help="sentences to translate ('-' or none: read standard input)")
+
+    p = sub.add_parser(
+        "eval",
+        help="translate a test split and score it with sacreBLEU",
+        description="Translate a split of the run's data directory (or --src/--ref files) and print cased, "
+        "detokenised sacreBLEU and chrF with their signatures.",
+    )
+    _add_decode_options(p)
+    p.add_argument(
+        "--split", default="test_2016_flickr", help="split name in the data directory (default: test_2016_flickr)"
+    )
+    p.add_argument("--data-dir", type=Path, help="data directory (default: the one the run was trained on)")
+    p.add_argument("--src", type=Path, help="source file (plain or .gz), instead of --split")
+    p.add_argument("--ref", type=Path, help="reference file (plain or .gz), with --src")
+    p.add_argument("--lowercase", action="store_true", help="also report lowercased BLEU")
+    p.add_argument("--output", type=Path, help="where to write hypotheses (default: RUN/eval/SPLIT.beamN.LANG)")
+    p.add_argument("--json", action="store_true", help="print the scores as one JSON object")
+    return parser
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from mtx.checkpoint import load_run_config
+    from mtx.config import load_config
+    from mtx.train import fit
+
+    if args.resume:
+        if args.run_dir is None:
+            raise MtxError("--resume needs --run-dir DIR (the run to continue)")
+        if args.config is not None:
+            raise MtxError(
+                "--resume continues with the run's own config.yaml; drop --config (use --set to change keys)"
+            )
+        cfg = load_run_config(args.run_dir, args.overrides)
+    else:
+        if args.config is None:
+            raise MtxError("train needs --config FILE (e.g. configs/multi30k_de_en.yaml), or --run-dir DIR --resume")
+        cfg = load_config(args.config, args.overrides)
+    run_dir = args.run_dir or Path("runs") / args.config.stem
+    state = fit(cfg, run_dir, resume=args.resume)
+    print(json.dumps({"run_dir": str(run_dir), "step": state.step, "best_val_bleu": round(state.best_bleu, 2)}))
+    return 0
+
+
+def _decode_settings(args: argparse.Namespace, cfg_decode: object) -> tuple[int, float, int]:
+    beam = args.beam if args.beam is not None else cfg_decode.beam  # type: ignore[attr-defined]
+    alpha = args.length_penalty if args.length_penalty is not None else cfg_decode.length_penalty  # type: ignore[attr-defined]
+    batch_tokens = args.batch_tokens if args.batch_tokens is not None else cfg_decode.batch_tokens  # type: ignore[attr-defined]
+    if beam < 1:
+        raise MtxError(f"--beam must be >= 1, got {beam}")
+    if alpha < 0:
+        raise MtxError(f"--length-penalty must be >= 0, got {alpha}")
+    if batch_tokens < 1:
+        raise MtxError(f"--batch-tokens must be >= 1, got {batch_tokens}")
+    return beam, alpha, batch_tokens
+
+
+def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, imported lazily
+    import torch
+
+    from mtx.checkpoint import load_run
+    from mtx.train import pick_device
+
+    if args.threads < 0:
+        raise MtxError(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return load_run(args.run, args.checkpoint, pick_device(args.device))
+
+
+def _read_stdin_lines() -> list[str]:
+    raw = sys.stdin.buffer.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise MtxError(f"standard input: line {line} is not valid UTF-8; re-encode the input as UTF-8") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.strip() for line in lines]
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    from mtx.search import translate_ids
+
+    texts = args.text
+    if not texts or texts == ["-"]:
+        texts = _read_stdin_lines()
+    elif "-" in texts:
+        raise MtxError("'-' (read standard input) cannot be mixed with TEXT arguments")
+    texts = [t.strip() for t in texts]
+    run = _load(args)
+    beam, alpha, batch_tokens = _decode_settings(args, run.cfg.decode)
+    if not 1 <= args.nbest <= beam:
+        raise MtxError(f"--nbest must be between 1 and --beam ({beam}), got {args.nbest}")
+    dc = run.cfg.decode
+    hyps = translate_ids(
+        run.model,
+        run.src_tok.encode_batch(texts),
+        beam,
+        alpha,
+        dc.max_len_a,
+        dc.max_len_b,
+        batch_tokens,
+        nbest=args.nbest,
+        use_cache=not args.no_cache,
+    )
+    out = sys.stdout
+    for i, h in enumerate(hyps):
+        if args.nbest == 1:
+            out.write(run.tgt_tok.decode_batch([h[0].tokens])[0] + "\n")
+        else:
+            for text, hyp in zip(run.tgt_tok.decode_batch([x.tokens for x in h]), h, strict=True):
+                out.write(f"{i} ||| {text} ||| {hyp.score:.4f}\n")
+    out.flush()
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from mtx.data import read_parallel, split_file
+    from mtx.evaluate import corpus_scores
+    from mtx.search import translate_ids
+
+    if (args.src is None) != (args.ref is None):
+        raise MtxError("--src and --ref go together (source file and reference file)")
+    run = _load(args)
+    cfg = run.cfg
+    beam, alpha, batch_tokens = _decode_settings(args, cfg.decode)
+    if args.src is not None:
+        src, ref = read_parallel(args.src, args.ref)
+        name = args.src.name.removesuffix(".gz")
+    else:
+        data_dir = args.data_dir or Path(cfg.data.dir)
+        if not data_dir.is_dir():
+            raise MtxError(f"data directory {data_dir} not found; pass --data-dir DIR or --src/--ref files")
+        src, ref = read_parallel(
+            split_file(data_dir, args.split, cfg.data.src_lang), split_file(data_dir, args.split, cfg.data.tgt_lang)
+        )
+        name = args.split
+    hyps = translate_ids(
+        run.model,
+        run.src_tok.encode_batch(src),
+        beam,
+        alpha,
+        cfg.decode.max_len_a,
+        cfg.decode.max_len_b,
+        batch_tokens,
+        use_cache=not args.no_cache,
+    )
+    text = run.tgt_tok.decode_batch([h[0].tokens for h in hyps])
+    output = args.output or args.run / "eval" / f"{name}.beam{beam}.{cfg.data.tgt_lang}"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text("".join(t + "\n" for t in text), encoding="utf-8")
+    scores = corpus_scores(text, ref)
+    result: dict[str, object] = {
+        "split": name,
+        "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}",
+        "beam": beam,
+        "sentences": len(src),
+        **scores.as_dict(),
+        "hypotheses": str(output),
+    }
+    if args.lowercase:
+        low = corpus_scores(text, ref, lowercase=True)
+        result["bleu_lowercase"] = round(low.bleu, 2)
+        result["bleu_lowercase_signature"] = low.bleu_signature
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{name} {result['direction']} beam {beam} ({len(src)} sentences, {run.checkpoint})")
+    print(f"BLEU {scores.bleu:6.2f}  {scores.bleu_signature}")
+    if args.lowercase:
+        print(f"BLEU {result['bleu_lowercase']:6.2f}  {result['bleu_lowercase_signature']}  (lowercased)")
+    print(f"chrF {scores.chrf:6.2f}  {scores.chrf_signature}")
+    print(f"hypotheses: {output}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "translate": cmd_translate, "eval": cmd_eval}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return COMMANDS[args.command](args)
+    except MtxError as e:
+        print(f"mtx: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("mtx: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 141

@@ -1,0 +1,347 @@
+"""Typed, frozen configuration: YAML -> Config, dotted overrides, strict validation.
+
+Defaults live only in the dataclass fields below. Unknown keys, wrong types and out-of-range
+values are `ConfigError`s that name the file, the dotted key and, for typos, the closest key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mtx.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the parallel text comes from and which direction to translate."""
+
+    dir: str = "auto"  # local dir of {split}.{lang}[.gz]; "auto": shared copy, else download
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    train_split: str = "train"
+    valid_split: str = "val"
+    max_len: int = 128  # training pairs with more BPE tokens on either side are skipped
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """Byte-level BPE trained on the train split only."""
+
+    vocab_size: int = 8000
+    joint: bool = True  # one vocabulary for both languages (enables full weight tying)
+    min_frequency: int = 2
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Encoder-decoder Transformer shape (names as in Vaswani et al.)."""
+
+    d_model: int = 256
+    n_heads: int = 4
+    d_ff: int = 1024
+    n_encoder_layers: int = 3
+    n_decoder_layers: int = 3
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    pre_norm: bool = True
+    tie_embeddings: bool = True  # tgt embedding == output projection (and == src when joint)
+    max_positions: int = 256
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, schedule, precision and bookkeeping."""
+
+    max_steps: int = 10000
+    max_epochs: int = 0  # 0: no epoch limit
+    batch_tokens: int = 4096
+    accum_steps: int = 1
+    lr: float = 7e-4
+    schedule: str = "inverse_sqrt"  # inverse_sqrt | noam | constant
+    warmup_steps: int = 1000
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0  # 0: no clipping
+    amp: str = "auto"  # auto | bf16 | fp16 | fp32
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    threads: int = 0  # CPU intra-op threads; 0: torch's default
+    compile: bool = False
+    seed: int = 1
+    log_every: int = 50
+    eval_every: int = 1000
+    eval_sentences: int = 0  # val sentences used for BLEU during training; 0: all
+    patience: int = 0  # stop after this many evals without a better val BLEU; 0: never
+    keep_last: int = 10  # step checkpoints kept in checkpoints/ (for averaging)
+    max_bad_steps: int = 10  # consecutive non-finite steps before training stops
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Search settings used by translate/eval and validation."""
+
+    beam: int = 5
+    length_penalty: float = 1.0  # GNMT alpha; 0: raw log-prob
+    max_len_a: float = 1.2
+    max_len_b: int = 10
+    batch_tokens: int = 4000  # decode batch budget in source tokens
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "train.schedule": ("inverse_sqrt", "noam", "constant"),
+    "train.amp": ("auto", "bf16", "fp16", "fp32"),
+}
+_POSITIVE = {
+    "tokenizer.vocab_size",
+    "tokenizer.min_frequency",
+    "model.d_model",
+    "model.n_heads",
+    "model.d_ff",
+    "model.n_encoder_layers",
+    "model.n_decoder_layers",
+    "model.max_positions",
+    "data.max_len",
+    "train.max_steps",
+    "train.batch_tokens",
+    "train.accum_steps",
+    "train.lr",
+    "train.log_every",
+    "train.eval_every",
+    "train.max_bad_steps",
+    "decode.beam",
+    "decode.batch_tokens",
+}
+_NON_NEGATIVE = {
+    "train.max_epochs",
+    "train.warmup_steps",
+    "train.weight_decay",
+    "train.clip_norm",
+    "train.threads",
+    "train.eval_sentences",
+    "train.patience",
+    "train.keep_last",
+    "decode.length_penalty",
+    "decode.max_len_a",
+    "decode.max_len_b",
+}
+_UNIT_INTERVAL = {"model.dropout", "model.attention_dropout", "train.label_smoothing"}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
+    """Check/convert one YAML or --set value to the field's declared type."""
+    bad = ConfigError(f"{where}: {key} must be {_type_name(hint)}, got {value!r}")
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        args = typing.get_args(hint)
+        if len(value) != len(args):
+            raise bad
+        return tuple(_convert(v, a, key, where) for v, a in zip(value, args, strict=True))
+    if origin in (typing.Union, types.UnionType):
+        raise bad  # no optional fields in the schema
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    raise bad
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        return "a list of " + ", ".join(a.__name__ for a in typing.get_args(hint))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+
+
+def _all_keys() -> list[str]:
+    return [f"{name}.{f.name}" for name, cls in _section_types().items() for f in dataclasses.fields(cls)]
+
+
+def _section_types() -> dict[str, type]:
+    hints = _hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def _unknown(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, _all_keys() + list(_section_types()), n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return ConfigError(f"{where}: unknown key {key}{hint}")
+
+
+def from_dict(raw: Any, where: str = "config") -> Config:
+    """Build a validated Config from nested dicts (e.g. parsed YAML)."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: the top level must be a mapping of sections, got {raw!r}")
+    sections = _section_types()
+    built = {}
+    for name, value in raw.items():
+        if name not in sections:
+            raise _unknown(str(name), where)
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: section {name} must be a mapping, got {value!r}")
+        cls = sections[name]
+        hints = _hints(cls)
+        kwargs = {}
+        for key, item in value.items():
+            dotted = f"{name}.{key}"
+            if key not in hints:
+                raise _unknown(dotted, where)
+            kwargs[key] = _convert(item, hints[key], dotted, where)
+        built[name] = cls(**kwargs)
+    cfg = Config(**built)
+    validate(cfg, where)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists) suitable for YAML."""
+
+    def plain(x: Any) -> Any:
+        if isinstance(x, tuple):
+            return [plain(v) for v in x]
+        return x
+
+    return {
+        s.name: {k: plain(v) for k, v in dataclasses.asdict(getattr(cfg, s.name)).items()}
+        for s in dataclasses.fields(cfg)
+    }
+
+
+def validate(cfg: Config, where: str = "config") -> None:
+    """Range and consistency checks that types alone cannot express."""
+    flat = {f"{s}.{k}": v for s, sec in to_dict(cfg).items() for k, v in sec.items()}
+    for key, allowed in _CHOICES.items():
+        if flat[key] not in allowed:
+            raise ConfigError(f"{where}: {key} must be one of {', '.join(allowed)}, got {flat[key]!r}")
+    for key in _POSITIVE:
+        if flat[key] <= 0:
+            raise ConfigError(f"{where}: {key} must be > 0, got {flat[key]!r}")
+    for key in _NON_NEGATIVE:
+        if flat[key] < 0:
+            raise ConfigError(f"{where}: {key} must be >= 0, got {flat[key]!r}")
+    for key in _UNIT_INTERVAL:
+        if not 0.0 <= flat[key] < 1.0:
+            raise ConfigError(f"{where}: {key} must be in [0, 1), got {flat[key]!r}")
+    m = cfg.model
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"{where}: model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    if (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"{where}: model.d_model / model.n_heads must be even")
+    if m.d_model % 2:
+        raise ConfigError(f"{where}: model.d_model must be even (sinusoidal positions)")
+    if cfg.data.src_lang == cfg.data.tgt_lang:
+        raise ConfigError(f"{where}: data.src_lang and data.tgt_lang are both {cfg.data.src_lang!r}")
+    if cfg.tokenizer.vocab_size < 300:
+        raise ConfigError(
+            f"{where}: tokenizer.vocab_size must be >= 300 (256 bytes + specials), got {cfg.tokenizer.vocab_size}"
+        )
+    if not 0.0 <= cfg.train.adam_betas[0] < 1.0 or not 0.0 <= cfg.train.adam_betas[1] < 1.0:
+        raise ConfigError(f"{where}: train.adam_betas must both be in [0, 1)")
+    if cfg.data.max_len + 2 > m.max_positions:
+        raise ConfigError(
+            f"{where}: data.max_len + 2 ({cfg.data.max_len + 2}) exceeds model.max_positions ({m.max_positions})"
+        )
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key=value` -> (key, YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. train.max_steps=200")
+    key, _, value = text.partition("=")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else value
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str = "--set") -> None:
+    """Apply dotted `section.key=value` overrides to a raw nested dict, in place."""
+    valid = set(_all_keys())
+    for text in overrides:
+        key, value = parse_override(text)
+        if key not in valid:
+            raise _unknown(key, where)
+        section, name = key.split(".", 1)
+        if raw.get(section) is None:
+            raw[section] = {}
+        raw[section][name] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or defaults when path is None) and apply --set overrides."""
+    raw: Any = {}
+    where = "config"
+    if path is not None:
+        path = Path(path)
+        where = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read config ({e})") from None
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or "invalid YAML"
+            raise ConfigError(f"{path}: malformed YAML{at}: {problem}") from None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    if overrides:
+        apply_overrides(raw, overrides)
+        where = f"{where} (with --set)"
+    return from_dict(raw, where)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")

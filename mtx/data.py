@@ -1,0 +1,299 @@
+"""Parallel text loading (HF `datasets`) and length-bucketed token batches.
+
+A data directory holds `{split}.{lang}` or `{split}.{lang}.gz` files, one sentence per line,
+line i of the source file translating line i of the target file (the Multi30k task-1 layout).
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from mtx.config import DataConfig
+from mtx.errors import DataError
+from mtx.tokenizer import BOS, BPE, EOS, PAD
+
+if TYPE_CHECKING:
+    import datasets
+
+log = logging.getLogger(__name__)
+
+MULTI30K_URL = "https://github.com/multi30k/dataset/raw/master/data/task1/raw/{split}.{lang}.gz"
+MULTI30K_SPLITS = ("train", "val", "test_2016_flickr")
+MULTI30K_LANGS = ("en", "de", "fr", "cs")
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+_SHARED_COPIES = (Path("../shared/data/multi30k"), _REPO_ROOT.parent / "shared/data/multi30k")
+
+
+def split_file(data_dir: Path, split: str, lang: str) -> Path:
+    """The file of one side of one split, plain or gzipped."""
+    for name in (f"{split}.{lang}", f"{split}.{lang}.gz"):
+        if (data_dir / name).is_file():
+            return data_dir / name
+    raise DataError(f"{data_dir}: no {split}.{lang} or {split}.{lang}.gz (split {split!r} missing)")
+
+
+def available_splits(data_dir: Path, src_lang: str, tgt_lang: str) -> list[str]:
+    """Splits that have both a source and a target file."""
+    names = set()
+    for path in data_dir.iterdir():
+        name = path.name.removesuffix(".gz")
+        split, _, lang = name.rpartition(".")
+        if split and lang == src_lang:
+            names.add(split)
+    out = []
+    for split in sorted(names):
+        try:
+            split_file(data_dir, split, tgt_lang)
+        except DataError:
+            continue
+        out.append(split)
+    return out
+
+
+def read_lines(path: str | Path, allow_empty: bool = False) -> list[str]:
+    """Read a UTF-8 text file (optionally .gz), one stripped sentence per line."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise DataError(f"{path}: cannot read ({e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}: line {line} is not valid UTF-8; re-encode the file as UTF-8") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    lines = [line.strip() for line in lines]
+    if not allow_empty:
+        for i, line in enumerate(lines):
+            if not line:
+                raise DataError(f"{path}: line {i + 1} is empty; remove empty lines from the data")
+    return lines
+
+
+def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]:
+    """Two aligned files -> (source lines, target lines), checked for equal length."""
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if len(src) != len(tgt):
+        raise DataError(
+            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; "
+            "parallel files must have the same number of lines"
+        )
+    if not src:
+        raise DataError(f"{src_path}: the split is empty")
+    return src, tgt
+
+
+def download_multi30k(dest: Path) -> Path:
+    """Fetch the public Multi30k task-1 raw files into `dest` (needs a network)."""
+    import datasets
+
+    urls = {
+        f"{split}.{lang}.gz": MULTI30K_URL.format(split=split, lang=lang)
+        for split in MULTI30K_SPLITS
+        for lang in MULTI30K_LANGS
+    }
+    log.info("downloading Multi30k task-1 files to %s", dest)
+    try:
+        local = datasets.DownloadManager(dataset_name="multi30k").download(urls)
+    except Exception as e:  # network errors come in many classes
+        raise DataError(f"cannot download Multi30k ({e.__class__.__name__}); set data.dir to a local copy") from None
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, path in local.items():
+        tmp = dest / f".{name}.tmp"
+        tmp.write_bytes(Path(path).read_bytes())
+        os.replace(tmp, dest / name)
+    return dest
+
+
+def resolve_data_dir(cfg: DataConfig) -> Path:
+    """`data.dir`, or for "auto": $MTX_DATA_DIR, the shared local copy, the cache, a download."""
+    if cfg.dir != "auto":
+        path = Path(cfg.dir).expanduser()
+        if not path.is_dir():
+            raise DataError(f"data.dir: directory {path} does not exist; set data.dir to a data dir")
+        return path.resolve()
+    candidates = [Path(p) for p in [os.environ.get("MTX_DATA_DIR")] if p] + list(_SHARED_COPIES)
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mtx" / "multi30k"
+    for path in [*candidates, cache]:
+        if (path / "train.en.gz").is_file() or (path / "train.en").is_file():
+            return path.resolve()
+    return download_multi30k(cache).resolve()
+
+
+def load_corpus(data_dir: Path, cfg: DataConfig, splits: Sequence[str]) -> datasets.DatasetDict:
+    """Load the given splits as a `datasets.DatasetDict` with `src` and `tgt` text columns."""
+    import datasets
+
+    out = {}
+    for split in splits:
+        src, tgt = read_parallel(split_file(data_dir, split, cfg.src_lang), split_file(data_dir, split, cfg.tgt_lang))
+        out[split] = datasets.Dataset.from_dict({"src": src, "tgt": tgt})
+    return datasets.DatasetDict(out)
+
+
+def texts(split: datasets.Dataset) -> tuple[list[str], list[str]]:
+    """(source lines, target lines) of a loaded split as plain lists."""
+    columns = split.to_dict()
+    return columns["src"], columns["tgt"]
+
+
+@dataclass
+class Batch:
+    """Padded id tensors of one batch. src ends with EOS; tgt_in = BOS + y; tgt_out = y + EOS."""
+
+    src: torch.Tensor  # (B, S)
+    tgt_in: torch.Tensor  # (B, T)
+    tgt_out: torch.Tensor  # (B, T)
+    n_src_tokens: int
+    n_tgt_tokens: int
+
+    def to(self, device: torch.device) -> Batch:
+        nb = device.type == "cuda"
+        return Batch(
+            self.src.to(device, non_blocking=nb),
+            self.tgt_in.to(device, non_blocking=nb),
+            self.tgt_out.to(device, non_blocking=nb),
+            self.n_src_tokens,
+            self.n_tgt_tokens,
+        )
+
+    @property
+    def padding_fraction(self) -> float:
+        total = self.src.numel() + self.tgt_out.numel()
+        return 1.0 - (self.n_src_tokens + self.n_tgt_tokens) / total
+
+
+def pad_ids(seqs: Sequence[Sequence[int]], prefix: int | None = None, suffix: int | None = None) -> torch.Tensor:
+    """Right-pad id lists into a (B, L) LongTensor, optionally adding a first/last token."""
+    extra = (prefix is not None) + (suffix is not None)
+    width = max(len(s) for s in seqs) + extra
+    out = np.full((len(seqs), width), PAD, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        start = 0
+        if prefix is not None:
+            out[i, 0] = prefix
+            start = 1
+        out[i, start : start + len(s)] = s
+        if suffix is not None:
+            out[i, start + len(s)] = suffix
+    return torch.from_numpy(out)
+
+
+class ParallelIds:
+    """A tokenised split: id lists per sentence, and the lengths batching sorts by."""
+
+    def __init__(self, src_ids: list[list[int]], tgt_ids: list[list[int]]) -> None:
+        self.src_ids = src_ids
+        self.tgt_ids = tgt_ids
+        self.src_lens = np.array([len(s) + 1 for s in src_ids], dtype=np.int64)  # + EOS
+        self.tgt_lens = np.array([len(t) + 1 for t in tgt_ids], dtype=np.int64)  # + BOS/EOS
+
+    @classmethod
+    def encode(
+        cls, src: Sequence[str], tgt: Sequence[str], src_tok: BPE, tgt_tok: BPE, max_len: int = 0
+    ) -> ParallelIds:
+        """Tokenise; with max_len > 0, drop pairs longer than max_len tokens on either side."""
+        src_ids, tgt_ids = src_tok.encode_batch(src), tgt_tok.encode_batch(tgt)
+        if max_len:
+            keep = [i for i in range(len(src_ids)) if len(src_ids[i]) <= max_len and len(tgt_ids[i]) <= max_len]
+            if len(keep) < len(src_ids):
+                log.info("skipped %d pairs longer than %d tokens", len(src_ids) - len(keep), max_len)
+            src_ids = [src_ids[i] for i in keep]
+            tgt_ids = [tgt_ids[i] for i in keep]
+        return cls(src_ids, tgt_ids)
+
+    def __len__(self) -> int:
+        return len(self.src_ids)
+
+    def batch(self, indices: Sequence[int]) -> Batch:
+        src = [self.src_ids[i] for i in indices]
+        tgt = [self.tgt_ids[i] for i in indices]
+        return Batch(
+            src=pad_ids(src, suffix=EOS),
+            tgt_in=pad_ids(tgt, prefix=BOS),
+            tgt_out=pad_ids(tgt, suffix=EOS),
+            n_src_tokens=int(self.src_lens[indices].sum()),
+            n_tgt_tokens=int(self.tgt_lens[indices].sum()),
+        )
+
+
+def plan_batches(
+    src_lens: np.ndarray, tgt_lens: np.ndarray, batch_tokens: int, seed: int | None = None
+) -> list[np.ndarray]:
+    """Group sentence indices into batches of at most `batch_tokens` padded tokens per side.
+
+    Sentences are sorted by source length and, within equal source lengths, by target length
+    in alternating direction (so neighbouring groups meet at similar target lengths); equal keys
+    are shuffled by `seed`, and so is the order of the batches. Without a seed the plan is fixed.
+    """
+    n = len(src_lens)
+    rng = np.random.default_rng(seed) if seed is not None else None
+    tie = rng.random(n) if rng is not None else np.arange(n)
+    snake = np.where(src_lens % 2 == 0, tgt_lens, -tgt_lens)
+    order = np.lexsort((tie, snake, src_lens))
+    batches: list[np.ndarray] = []
+    start, max_s, max_t = 0, 0, 0
+    for pos, idx in enumerate(order):
+        s, t = int(src_lens[idx]), int(tgt_lens[idx])
+        new_s, new_t = max(max_s, s), max(max_t, t)
+        if pos > start and max(new_s, new_t) * (pos - start + 1) > batch_tokens:
+            batches.append(order[start:pos])
+            start, new_s, new_t = pos, s, t
+        max_s, max_t = new_s, new_t
+    if start < n:
+        batches.append(order[start:])
+    if rng is not None:
+        rng.shuffle(batches)
+    return batches
+
+
+def padding_fraction(data: ParallelIds, batches: Sequence[np.ndarray]) -> float:
+    """Share of padded positions over both sides, for a batch plan."""
+    real = padded = 0
+    for b in batches:
+        s, t = data.src_lens[b], data.tgt_lens[b]
+        real += int(s.sum() + t.sum())
+        padded += len(b) * int(s.max() + t.max())
+    return 1.0 - real / max(padded, 1)
+
+
+def epoch_batches(
+    data: ParallelIds,
+    batch_tokens: int,
+    seed: int,
+    epoch: int,
+    start: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Iterator[Batch]:
+    """The batches of one training epoch from batch index `start`, shuffled by (seed, epoch).
+
+    With several ranks, each takes a disjoint, equally long share of the epoch's batches.
+    """
+    plan = plan_batches(data.src_lens, data.tgt_lens, batch_tokens, seed=seed * 100003 + epoch)
+    per_rank = len(plan) // world_size
+    plan = plan[rank * per_rank : (rank + 1) * per_rank] if world_size > 1 else plan
+    for indices in plan[start:]:
+        yield data.batch(indices)
+
+
+def epoch_length(data: ParallelIds, batch_tokens: int, seed: int, epoch: int, world_size: int = 1) -> int:
+    plan = plan_batches(data.src_lens, data.tgt_lens, batch_tokens, seed=seed * 100003 + epoch)
+    return len(plan) // world_size

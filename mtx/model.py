@@ -1,0 +1,277 @@
+"""Encoder-decoder Transformer written from scratch, with a decoder KV cache.
+
+Dimension glossary used in shape comments:
+    B batch, S source length, T target length, H heads, Dh head dim (D / H),
+    D model dim (d_model), F feed-forward dim (d_ff), V vocabulary size.
+
+Masks are boolean and True where attention is allowed. The source mask has shape (B, 1, 1, S)
+and broadcasts over heads and queries; the decoder's causal mask is never materialised:
+`scaled_dot_product_attention(is_causal=True)` applies it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtx.config import ModelConfig
+from mtx.tokenizer import PAD
+
+
+def make_src_mask(src: torch.Tensor) -> torch.Tensor:
+    """(B, S) ids -> (B, 1, 1, S) bool mask, False at padding."""
+    return (src != PAD)[:, None, None, :]
+
+
+class KVCache:
+    """Per-layer decoder keys/values: self-attention grows by one step per call, cross-attention
+    keys/values are computed from the memory once and then reused (and reordered with beams)."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.self_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+        self.cross_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
+
+    @property
+    def length(self) -> int:
+        """Number of target positions already decoded."""
+        first = self.self_kv[0]
+        return 0 if first is None else first[0].shape[2]
+
+    def reorder(self, index: torch.Tensor, cross: bool = False) -> None:
+        """Keep rows `index` of the self-attention keys/values (beam reordering), and with
+        `cross` also of the cross-attention ones (dropping finished sentences)."""
+        for kvs in (self.self_kv, self.cross_kv) if cross else (self.self_kv,):
+            for i, kv in enumerate(kvs):
+                if kv is not None:
+                    kvs[i] = (kv[0].index_select(0, index), kv[1].index_select(0, index))
+
+
+def sinusoidal_positions(n_positions: int, d_model: int) -> torch.Tensor:
+    """(P, D) table of sin/cos position encodings (Vaswani et al., section 3.5)."""
+    pos = torch.arange(n_positions, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(n_positions, d_model)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)
+    return table
+
+
+class Embedding(nn.Module):
+    """Token embedding scaled by sqrt(D), plus sinusoidal positions, then dropout."""
+
+    def __init__(self, vocab_size: int, d_model: int, max_positions: int, dropout: float) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, d_model, padding_idx=PAD)
+        self.scale = math.sqrt(d_model)
+        self.register_buffer("positions", sinusoidal_positions(max_positions, d_model), persistent=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        length = ids.shape[1]
+        if offset + length > self.positions.shape[0]:
+            raise ValueError(
+                f"sequence of {offset + length} positions exceeds model.max_positions ({self.positions.shape[0]})"
+            )
+        x = self.tokens(ids) * self.scale + self.positions[offset : offset + length]  # (B, L, D)
+        return self.dropout(x)
+
+
+class Attention(nn.Module):
+    """Multi-head attention through SDPA; self-attention uses one fused QKV projection,
+    cross-attention a query projection and a fused KV projection of the memory."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, cross: bool) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.cross = cross
+        self.dropout = dropout
+        if cross:
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def _heads(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+        """(B, L, n*D) -> n tensors of (B, H, L, Dh)."""
+        b, length, _ = x.shape
+        return x.view(b, length, n, self.n_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        memory: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        b, length, d = x.shape
+        if self.cross:
+            (q,) = self._heads(self.q_proj(x), 1)
+            kv = cache.cross_kv[layer] if cache is not None else None
+            if kv is None:
+                kv = self._heads(self.kv_proj(memory), 2)  # computed once per sentence
+                if cache is not None:
+                    cache.cross_kv[layer] = kv
+            k, v = kv
+        else:
+            q, k, v = self._heads(self.qkv_proj(x), 3)  # (B, H, L, Dh) each
+            if cache is not None:
+                past = cache.self_kv[layer]
+                if past is not None:
+                    k = torch.cat([past[0], k], dim=2)
+                    v = torch.cat([past[1], v], dim=2)
+                    is_causal = is_causal and length > 1
+                    if is_causal:  # several new queries after a prefix: explicit bottom-right mask
+                        total = k.shape[2]
+                        mask = torch.ones(length, total, dtype=torch.bool, device=x.device).tril(total - length)
+                        is_causal = False
+                cache.self_kv[layer] = (k, v)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
+        )  # (B, H, L, Dh)
+        return self.out_proj(y.transpose(1, 2).reshape(b, length, d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, dropout: float) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, d_ff)
+        self.fc2 = nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.dropout(F.relu(self.fc1(x))))  # (B, L, D) -> (B, L, F) -> (B, L, D)
+
+
+class Sublayer(nn.Module):
+    """Residual wrapper: pre-LN `x + f(LN(x))` or post-LN `LN(x + f(x))`."""
+
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.pre_norm = pre_norm
+
+    def forward(self, x: torch.Tensor, y_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self.pre_norm:
+            return x + self.dropout(y_of(self.norm(x)))
+        return self.norm(x + self.dropout(y_of(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=False)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
+        self.sub_attn = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.sub_ffn = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        x = self.sub_attn(x, lambda h: self.self_attn(h, mask=src_mask))
+        return self.sub_ffn(x, self.ffn)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=False)
+        self.cross_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=True)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
+        self.sub_self = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.sub_cross = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.sub_ffn = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor,
+        cache: KVCache | None,
+        layer: int,
+    ) -> torch.Tensor:
+        x = self.sub_self(x, lambda h: self.self_attn(h, is_causal=True, cache=cache, layer=layer))
+        x = self.sub_cross(x, lambda h: self.cross_attn(h, mask=src_mask, memory=memory, cache=cache, layer=layer))
+        return self.sub_ffn(x, self.ffn)
+
+
+class Seq2Seq(nn.Module):
+    """The Transformer: `encode(src, src_mask)` and `decode(tgt, memory, src_mask, cache)`."""
+
+    def __init__(self, cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, joint_vocab: bool) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.src_embed = Embedding(src_vocab_size, cfg.d_model, cfg.max_positions, cfg.dropout)
+        share_src_tgt = cfg.tie_embeddings and joint_vocab
+        self.tgt_embed = (
+            self.src_embed if share_src_tgt else Embedding(tgt_vocab_size, cfg.d_model, cfg.max_positions, cfg.dropout)
+        )
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
+        # pre-LN stacks need a final norm; post-LN outputs are already normalised
+        self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
+        self.output_proj = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=self.cfg.d_model**-0.5)
+                with torch.no_grad():
+                    module.weight[PAD].zero_()
+
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        """(B, S) ids -> (B, S, D) memory."""
+        x = self.src_embed(src)
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask)
+        return self.encoder_norm(x)
+
+    def decoder_states(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """(B, T) target ids -> (B, T, D) final decoder states; with a cache, `tgt` holds only
+        the new positions and is placed after the cached ones."""
+        offset = cache.length if cache is not None else 0
+        x = self.tgt_embed(tgt, offset)
+        for i, layer in enumerate(self.decoder_layers):
+            x = layer(x, memory, src_mask, cache, i)
+        return self.decoder_norm(x)
+
+    def project(self, states: torch.Tensor) -> torch.Tensor:
+        """(..., D) decoder states -> (..., V) logits (tied to the target embedding by default)."""
+        if self.output_proj is None:
+            return F.linear(states, self.tgt_embed.tokens.weight)
+        return self.output_proj(states)
+
+    def decode(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """(B, T) target ids -> (B, T, V) logits."""
+        return self.project(self.decoder_states(tgt, memory, src_mask, cache))
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.decoder_layers))
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced (B, T, V) logits."""
+        src_mask = make_src_mask(src)
+        return self.decode(tgt_in, self.encode(src, src_mask), src_mask)

@@ -1,0 +1,262 @@
+"""Greedy and beam search over batches of sentences, sharing the decoder KV cache code.
+
+Both searches drop sentences from the batch as soon as they are finished, so a batch costs
+what its longest output costs only for the sentences still running.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mtx.data import pad_ids
+from mtx.model import KVCache, Seq2Seq, make_src_mask
+from mtx.tokenizer import BOS, BPE, EOS, PAD
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    tokens: list[int]  # output ids, without BOS/EOS
+    score: float  # length-normalised log-probability (raw for greedy)
+    log_prob: float  # sum of token log-probabilities, EOS included
+
+
+def max_output_lengths(src: torch.Tensor, a: float, b: int, model: Seq2Seq) -> torch.Tensor:
+    """Per sentence: most output tokens (EOS included), `a * src_len + b`, within positions."""
+    src_lens = (src != PAD).sum(dim=1)
+    limit = model.cfg.max_positions - 1
+    return (src_lens.float() * a + b).floor().long().clamp(min=1, max=limit)
+
+
+def length_penalty(length: int | torch.Tensor, alpha: float) -> float | torch.Tensor:
+    """GNMT length penalty ((5 + |Y|) / 6) ** alpha (Wu et al., 2016)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def _next_log_probs(
+    model: Seq2Seq, tokens: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, cache: KVCache | None
+) -> torch.Tensor:
+    """(N, t) prefixes -> (N, V) float32 log-probabilities of the next token. With a cache only
+    the last token is fed; without one the whole prefix is recomputed."""
+    feed = tokens[:, -1:] if cache is not None else tokens
+    logits = model.decode(feed, memory, src_mask, cache)[:, -1]  # (N, V)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _drop_rows(keep: torch.Tensor, cache: KVCache | None, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Keep rows `keep` of every per-row tensor and of the cache (self and cross)."""
+    if cache is not None:
+        cache.reorder(keep, cross=True)
+    return [t.index_select(0, keep) for t in tensors]
+
+
+@torch.inference_mode()
+def greedy_search(
+    model: Seq2Seq, src: torch.Tensor, max_len_a: float, max_len_b: int, use_cache: bool = True
+) -> list[Hypothesis]:
+    """Arg-max decoding of a (B, S) batch, one hypothesis per sentence."""
+    n = src.shape[0]
+    src_mask = make_src_mask(src)
+    memory = model.encode(src, src_mask)
+    max_lens = max_output_lengths(src, max_len_a, max_len_b, model)
+    cache = model.new_cache() if use_cache else None
+    rows = torch.arange(n, device=src.device)  # original sentence of each running row
+    tokens = torch.full((n, 1), BOS, dtype=torch.long, device=src.device)
+    sums = torch.zeros(n, device=src.device)
+    results: list[Hypothesis | None] = [None] * n
+    step = 0
+    while rows.numel():
+        step += 1
+        log_probs = _next_log_probs(model, tokens, memory, src_mask, cache)
+        forced = max_lens.index_select(0, rows) <= step
+        log_probs[forced, :EOS] = float("-inf")
+        log_probs[forced, EOS + 1 :] = float("-inf")
+        best, token = log_probs.max(dim=-1)
+        sums = sums + best
+        tokens = torch.cat([tokens, token[:, None]], dim=1)
+        done = token == EOS
+        if done.any():
+            for i in done.nonzero()[:, 0].tolist():
+                total = float(sums[i])
+                results[int(rows[i])] = Hypothesis(tokens[i, 1:-1].tolist(), total, total)
+            keep = (~done).nonzero()[:, 0]
+            rows, tokens, sums, memory, src_mask = _drop_rows(keep, cache, rows, tokens, sums, memory, src_mask)
+    return [r for r in results if r is not None]
+
+
+@torch.inference_mode()
+def beam_search(
+    model: Seq2Seq,
+    src: torch.Tensor,
+    beam: int,
+    alpha: float,
+    max_len_a: float,
+    max_len_b: int,
+    nbest: int = 1,
+    use_cache: bool = True,
+) -> list[list[Hypothesis]]:
+    """Batched beam search of a (B, S) batch; per sentence the `nbest` best hypotheses.
+
+    A finished hypothesis comes from an EOS among the top `beam` candidates of a step. A
+    sentence stops once it holds `beam` finished hypotheses and no running one can still beat
+    the worst of them: log-probabilities only fall, so a running hypothesis' best reachable
+    score is its current log-probability over the largest length penalty it could reach.
+    """
+    if nbest > beam:
+        raise ValueError(f"nbest ({nbest}) must not exceed beam ({beam})")
+    k = beam
+    n = src.shape[0]
+    device = src.device
+    src_mask = make_src_mask(src)
+    memory = model.encode(src, src_mask)
+    max_lens = max_output_lengths(src, max_len_a, max_len_b, model)
+    expand = torch.arange(n, device=device).repeat_interleave(k)
+    memory, src_mask = memory.index_select(0, expand), src_mask.index_select(0, expand)  # (n*K, ...)
+    cache = model.new_cache() if use_cache else None
+    sentences = list(range(n))  # original sentence of each running group of K rows
+    tokens = torch.full((n * k, 1), BOS, dtype=torch.long, device=device)
+    scores = torch.full((n, k), float("-inf"), device=device)
+    scores[:, 0] = 0.0
+    finished: list[list[Hypothesis]] = [[] for _ in range(n)]
+    step = 0
+    while sentences:
+        step += 1
+        m = len(sentences)
+        log_probs = _next_log_probs(model, tokens, memory, src_mask, cache)  # (m*K, V)
+        vocab = log_probs.shape[-1]
+        forced = (max_lens[sentences] <= step).repeat_interleave(k)
+        if forced.any():
+            log_probs[forced, :EOS] = float("-inf")
+            log_probs[forced, EOS + 1 :] = float("-inf")
+        candidates = (scores[:, :, None] + log_probs.view(m, k, vocab)).view(m, k * vocab)
+        top_scores, top_index = candidates.topk(2 * k, dim=1)  # (m, 2K), sorted
+        top_beam = torch.div(top_index, vocab, rounding_mode="floor")
+        top_token = top_index % vocab
+        is_eos = top_token == EOS
+
+        eos_top = is_eos[:, :k] & torch.isfinite(top_scores[:, :k])
+        if eos_top.any():
+            penalty = length_penalty(step, alpha)
+            for i, j in eos_top.nonzero().tolist():
+                row = i * k + int(top_beam[i, j])
+                raw = float(top_scores[i, j])
+                finished[sentences[i]].append(Hypothesis(tokens[row, 1:].tolist(), raw / penalty, raw))
+
+        # continue with the K best candidates that do not end here
+        order = (is_eos.long() * (2 * k) + torch.arange(2 * k, device=device)).argsort(dim=1)[:, :k]
+        scores = top_scores.gather(1, order)  # (m, K), still sorted
+        rows = (torch.arange(m, device=device)[:, None] * k + top_beam.gather(1, order)).view(-1)
+        tokens = torch.cat([tokens.index_select(0, rows), top_token.gather(1, order).view(-1, 1)], dim=1)
+        if cache is not None:
+            cache.reorder(rows)
+
+        best_alive = scores[:, 0].tolist()
+        max_lens_alive = max_lens[sentences].tolist()
+        keep = []
+        for i, sent in enumerate(sentences):
+            done = len(finished[sent]) >= k and _cannot_improve(
+                finished[sent], k, best_alive[i], max_lens_alive[i], step, alpha
+            )
+            if not done and step < max_lens_alive[i]:
+                keep.append(i)
+        if len(keep) < m:
+            groups = torch.tensor(keep, dtype=torch.long, device=device)
+            keep_rows = (groups[:, None] * k + torch.arange(k, device=device)).view(-1)
+            tokens, memory, src_mask = _drop_rows(keep_rows, cache, tokens, memory, src_mask)
+            scores = scores.index_select(0, groups)
+            sentences = [sentences[i] for i in keep]
+
+    out = []
+    for hyps in finished:
+        hyps.sort(key=lambda h: h.score, reverse=True)
+        out.append(hyps[:nbest])
+    return out
+
+
+def _cannot_improve(
+    finished: list[Hypothesis], k: int, best_alive: float, max_len: int, step: int, alpha: float
+) -> bool:
+    """True when no running hypothesis can beat the K-th best finished one."""
+    if best_alive == float("-inf"):
+        return True
+    kth = sorted((h.score for h in finished), reverse=True)[k - 1]
+    # best_alive <= 0 and can only fall; its best normalised score uses the largest penalty
+    bound = best_alive / length_penalty(max_len if best_alive < 0 else step + 1, alpha)
+    return bound <= kth
+
+
+def _decode_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Sentence indices sorted by length, packed so that sentences * max length <= budget."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and lengths[i] * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def translate_ids(
+    model: Seq2Seq,
+    src_ids: Sequence[Sequence[int]],
+    beam: int,
+    alpha: float,
+    max_len_a: float,
+    max_len_b: int,
+    batch_tokens: int,
+    nbest: int = 1,
+    device: torch.device | None = None,
+    use_cache: bool = True,
+) -> list[list[Hypothesis]]:
+    """Decode many tokenised sentences (without EOS) in length-sorted batches; input order kept.
+
+    Empty inputs give one empty hypothesis; inputs longer than the model's positions are
+    truncated (with a warning).
+    """
+    device = device or next(model.parameters()).device
+    limit = model.cfg.max_positions - 1  # room for EOS
+    truncated = sum(len(s) > limit for s in src_ids)
+    if truncated:
+        log.warning("%d input sentence(s) longer than %d tokens were truncated (model.max_positions)", truncated, limit)
+    src_ids = [list(s[:limit]) for s in src_ids]
+    results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] for _ in src_ids]
+    todo = [i for i, s in enumerate(src_ids) if s]
+    model.eval()
+    for batch in _decode_batches([len(src_ids[i]) + 1 for i in todo], batch_tokens):
+        index = [todo[j] for j in batch]
+        src = pad_ids([src_ids[i] for i in index], suffix=EOS).to(device)
+        if beam == 1:
+            hyps = [[h] for h in greedy_search(model, src, max_len_a, max_len_b, use_cache)]
+        else:
+            hyps = beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, use_cache)
+        for i, h in zip(index, hyps, strict=True):
+            results[i] = h
+    return results
+
+
+def translate(
+    model: Seq2Seq,
+    src_tok: BPE,
+    tgt_tok: BPE,
+    sentences: Sequence[str],
+    beam: int,
+    alpha: float,
+    max_len_a: float,
+    max_len_b: int,
+    batch_tokens: int,
+    device: torch.device | None = None,
+) -> list[str]:
+    """Translate plain sentences to plain (detokenised) sentences, order kept."""
+    hyps = translate_ids(
+        model, src_tok.encode_batch(sentences), beam, alpha, max_len_a, max_len_b, batch_tokens, 1, device
+    )
+    return tgt_tok.decode_batch([h[0].tokens for h in hyps])

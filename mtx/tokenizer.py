@@ -1,0 +1,117 @@
+"""Byte-level BPE (HF `tokenizers`): training on the train split, saving, loading, round trip.
+
+Byte-level pieces never produce <unk> and decode back to the exact input text (after Unicode
+NFC normalisation and stripping of outer whitespace), so detokenisation needs no heuristics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from mtx.config import TokenizerConfig
+from mtx.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+
+
+class BPE:
+    """A trained tokenizer plus the conventions mtx relies on (special ids, stripping)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        for expected, token in enumerate(SPECIAL_TOKENS):
+            if tokenizer.token_to_id(token) != expected:
+                raise CheckpointError(f"tokenizer: special token {token} must have id {expected}")
+        self.tokenizer = tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Text -> ids without specials (callers add BOS/EOS where their role needs them)."""
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode_batch(self, ids: Sequence[Sequence[int]]) -> list[str]:
+        """Ids -> text; special tokens are dropped."""
+        return [t.strip() for t in self.tokenizer.decode_batch([list(x) for x in ids])]
+
+    def fingerprint(self) -> str:
+        """Stable hash of the vocabulary, stored in checkpoints to catch mismatches."""
+        vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+        return hashlib.sha256(repr(vocab).encode()).hexdigest()[:16]
+
+    def save(self, path: str | Path) -> None:
+        self.tokenizer.save(str(path))
+
+    @classmethod
+    def load(cls, path: str | Path) -> BPE:
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as e:  # tokenizers raises plain Exception on parse errors
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
+
+
+def train_bpe(texts: Iterable[str], cfg: TokenizerConfig) -> BPE:
+    """Train byte-level BPE with NFC normalisation and the four mtx special tokens."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    log.info("trained BPE: %d pieces", tokenizer.get_vocab_size())
+    return BPE(tokenizer)
+
+
+def tokenizer_paths(run_dir: Path, joint: bool, src_lang: str, tgt_lang: str) -> tuple[Path, Path]:
+    """Where a run keeps its tokenizer(s): one joint file, or one per language."""
+    if joint:
+        path = run_dir / "tokenizer.json"
+        return path, path
+    return run_dir / f"tokenizer.{src_lang}.json", run_dir / f"tokenizer.{tgt_lang}.json"
+
+
+def train_or_load(
+    run_dir: Path,
+    cfg: TokenizerConfig,
+    src_lang: str,
+    tgt_lang: str,
+    src_texts: Sequence[str],
+    tgt_texts: Sequence[str],
+) -> tuple[BPE, BPE]:
+    """Load the run's tokenizer(s) when present, else train on the given train texts and save."""
+    src_path, tgt_path = tokenizer_paths(run_dir, cfg.joint, src_lang, tgt_lang)
+    if src_path.exists() and tgt_path.exists():
+        return BPE.load(src_path), BPE.load(tgt_path)
+    if cfg.joint:
+        tok = train_bpe(list(src_texts) + list(tgt_texts), cfg)
+        tok.save(src_path)
+        return tok, tok
+    src_tok, tgt_tok = train_bpe(src_texts, cfg), train_bpe(tgt_texts, cfg)
+    src_tok.save(src_path)
+    tgt_tok.save(tgt_path)
+    return src_tok, tgt_tok
+
+
+def load_run_tokenizers(run_dir: Path, joint: bool, src_lang: str, tgt_lang: str) -> tuple[BPE, BPE]:
+    src_path, tgt_path = tokenizer_paths(run_dir, joint, src_lang, tgt_lang)
+    for path in (src_path, tgt_path):
+        if not path.exists():
+            raise CheckpointError(f"{run_dir}: no {path.name}; is this an mtx run directory?")
+    return BPE.load(src_path), BPE.load(tgt_path)

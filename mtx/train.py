@@ -1,0 +1,489 @@
+"""Training: label-smoothed loss, LR schedule, mixed precision, validation, checkpoints.
+
+`fit` owns the loop; everything it needs to continue exactly where it stopped (model,
+optimizer, scaler, RNG states, step, epoch and batch position) goes into `last.pt`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import yaml
+
+from mtx import checkpoint as ckpt_io
+from mtx.config import Config, TrainConfig, save_config, to_dict
+from mtx.data import (
+    Batch,
+    ParallelIds,
+    epoch_batches,
+    load_corpus,
+    padding_fraction,
+    plan_batches,
+    resolve_data_dir,
+    texts,
+)
+from mtx.errors import MtxError
+from mtx.evaluate import corpus_scores
+from mtx.model import Seq2Seq, make_src_mask
+from mtx.search import translate_ids
+from mtx.tokenizer import PAD, train_or_load
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto` prefers cuda, then mps, then cpu; explicit names are checked."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise MtxError(f"train.device: unknown device {name!r} (use auto, cpu, cuda, cuda:N or mps)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MtxError("train.device: cuda requested but no CUDA device is available (use auto or cpu)")
+    return device
+
+
+def amp_dtype(device: torch.device, amp: str) -> torch.dtype | None:
+    """Autocast dtype for `train.amp` on this device; None means plain fp32."""
+    if amp == "fp32":
+        return None
+    if device.type == "cuda":
+        if amp == "fp16":
+            return torch.float16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cpu":
+        if amp == "fp16":
+            raise MtxError("train.amp: fp16 is for CUDA; on CPU use bf16, fp32 or auto")
+        if amp == "auto" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return None
+        return torch.bfloat16
+    return None if amp == "auto" else torch.bfloat16
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager[Any]:
+    if dtype is None:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def learning_rate(step: int, cfg: TrainConfig, d_model: int) -> float:
+    """LR for (1-based) update `step`: linear warmup then inverse square root decay.
+
+    `noam` is the same shape scaled as in Vaswani et al.: lr * d_model^-0.5 * min(...)."""
+    step = max(step, 1)
+    warmup = max(cfg.warmup_steps, 1)
+    if cfg.schedule == "constant":
+        return cfg.lr * min(1.0, step / warmup)
+    factor = min(step / warmup, math.sqrt(warmup / step))
+    if cfg.schedule == "noam":
+        return cfg.lr * d_model**-0.5 * warmup**-0.5 * factor
+    return cfg.lr * factor
+
+
+def label_smoothed_loss(model: Seq2Seq, batch: Batch, smoothing: float) -> torch.Tensor:
+    """Sum of label-smoothed cross-entropy over the non-padding target positions.
+
+    Only non-padding decoder states are projected to the vocabulary (the V-way projection
+    and softmax are the most expensive part of the step)."""
+    src_mask = make_src_mask(batch.src)
+    memory = model.encode(batch.src, src_mask)
+    states = model.decoder_states(batch.tgt_in, memory, src_mask)  # (B, T, D)
+    keep = batch.tgt_out != PAD
+    logits = model.project(states[keep])  # (N, V)
+    return F.cross_entropy(logits.float(), batch.tgt_out[keep], label_smoothing=smoothing, reduction="sum")
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer updates done
+    epoch: int = 0
+    batch: int = 0  # batches of `epoch` consumed
+    best_bleu: float = -1.0
+    best_step: int = 0
+    evals_without_gain: int = 0
+    skipped_steps: int = 0
+    bad_steps_in_row: int = 0
+    elapsed: float = 0.0  # training seconds over all sessions
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal is not None:  # second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.signal = signum
+        log.warning("received %s: saving a checkpoint and stopping", signal.Signals(signum).name)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class Trainer:
+    """Holds a run's model, optimizer and data; `fit` runs the loop."""
+
+    def __init__(self, cfg: Config, run_dir: Path, resume: bool) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        tc = cfg.train
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        seed_everything(tc.seed)
+        self.device = pick_device(tc.device)
+        self.amp = amp_dtype(self.device, tc.amp)
+
+        data_dir = resolve_data_dir(cfg.data)
+        corpus = load_corpus(data_dir, cfg.data, [cfg.data.train_split, cfg.data.valid_split])
+        train_src, train_tgt = texts(corpus[cfg.data.train_split])
+        valid_src, valid_tgt = texts(corpus[cfg.data.valid_split])
+        self.src_tok, self.tgt_tok = train_or_load(
+            run_dir, cfg.tokenizer, cfg.data.src_lang, cfg.data.tgt_lang, train_src, train_tgt
+        )
+        self.train_ids = ParallelIds.encode(train_src, train_tgt, self.src_tok, self.tgt_tok, cfg.data.max_len)
+        n_val = tc.eval_sentences or len(valid_src)
+        self.valid_refs = valid_tgt[:n_val]
+        self.valid_ids = ParallelIds.encode(valid_src[:n_val], self.valid_refs, self.src_tok, self.tgt_tok)
+        self.data_dir = data_dir
+
+        self.model = ckpt_io.build_model(cfg, self.src_tok, self.tgt_tok).to(self.device)
+        self.vocab = ckpt_io.vocab_fingerprint(self.src_tok, self.tgt_tok)
+        self.optimizer = torch.optim.Adam(
+            self.model.parameters(),
+            lr=tc.lr,
+            betas=tc.adam_betas,
+            eps=tc.adam_eps,
+            weight_decay=tc.weight_decay,
+            **({"fused": True} if self.device.type in ("cuda", "cpu") else {}),
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == torch.float16)
+        self.loss_fn = torch.compile(label_smoothed_loss) if tc.compile else label_smoothed_loss
+        self.state = TrainState()
+        if resume:
+            self._restore()
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _payload(self, full: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format_version": ckpt_io.FORMAT_VERSION,
+            "model": self.model.state_dict(),
+            "config": to_dict(self.cfg),
+            "vocab": self.vocab,
+            "step": self.state.step,
+        }
+        if full:
+            out.update(
+                optimizer=self.optimizer.state_dict(),
+                scaler=self.scaler.state_dict(),
+                rng=_rng_state(),
+                state=asdict(self.state),
+            )
+        return out
+
+    def save(self) -> None:
+        ckpt_io.atomic_save(self._payload(full=True), ckpt_io.checkpoint_dir(self.run_dir) / "last.pt")
+
+    def _restore(self) -> None:
+        path = ckpt_io.checkpoint_dir(self.run_dir) / "last.pt"
+        ckpt = ckpt_io.load_checkpoint(path)
+        ckpt_io.check_compatible(ckpt, path, self.vocab, self.model)
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scaler.load_state_dict(ckpt["scaler"])
+        _set_rng_state(ckpt["rng"])
+        self.state = TrainState(**ckpt["state"])
+        log.info(
+            "resumed from %s at step %d (epoch %d, batch %d)", path, self.state.step, self.state.epoch, self.state.batch
+        )
+
+    def _save_step_and_best(self, bleu: float) -> None:
+        ckpts = ckpt_io.checkpoint_dir(self.run_dir)
+        payload = self._payload(full=False)
+        if self.cfg.train.keep_last:
+            ckpt_io.atomic_save(payload, ckpts / f"step_{self.state.step}.pt")
+            for old in ckpt_io.step_checkpoints(self.run_dir)[: -self.cfg.train.keep_last]:
+                old.unlink()
+        if bleu > self.state.best_bleu:
+            self.state.best_bleu, self.state.best_step = bleu, self.state.step
+            self.state.evals_without_gain = 0
+            ckpt_io.atomic_save(payload, ckpts / "best.pt")
+        else:
+            self.state.evals_without_gain += 1
+
+    # -- one update ------------------------------------------------------------------------
+    def _micro_batches(self) -> Iterator[list[Batch]]:
+        """Groups of `accum_steps` batches, advancing epochs; state.epoch/batch track position."""
+        tc = self.cfg.train
+        group: list[Batch] = []
+        while True:
+            if tc.max_epochs and self.state.epoch >= tc.max_epochs:
+                return
+            batches = epoch_batches(self.train_ids, tc.batch_tokens, tc.seed, self.state.epoch, self.state.batch)
+            for batch in batches:
+                group.append(batch)
+                if len(group) == tc.accum_steps:
+                    self.state.batch += len(group)
+                    yield group
+                    group = []
+            if group:  # an epoch's leftover micro-batches are dropped so resume stays exact
+                group = []
+            self.state.epoch += 1
+            self.state.batch = 0
+
+    def train_step(self, group: list[Batch]) -> tuple[float, bool]:
+        """Forward/backward over the micro-batches, then one optimizer update.
+
+        Returns (mean loss per target token, whether the update was applied)."""
+        tc = self.cfg.train
+        self.model.train()
+        n_tokens = sum(b.n_tgt_tokens for b in group)
+        total = 0.0
+        for batch in group:
+            batch = batch.to(self.device)
+            with autocast(self.device, self.amp):
+                loss = self.loss_fn(self.model, batch, tc.label_smoothing)
+            self.scaler.scale(loss / n_tokens).backward()
+            total += loss.item()
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_norm or float("inf"))
+        finite = math.isfinite(total) and bool(torch.isfinite(grad_norm))
+        for g in self.optimizer.param_groups:
+            g["lr"] = learning_rate(self.state.step + 1, tc, self.cfg.model.d_model)
+        if finite or self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)  # the fp16 scaler itself skips non-finite steps
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / n_tokens, finite
+
+    # -- validation ------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Teacher-forced val loss (no smoothing) and greedy val BLEU/chrF as `mtx eval` scores."""
+        self.model.eval()
+        loss_sum, n_tokens = 0.0, 0
+        for indices in plan_batches(self.valid_ids.src_lens, self.valid_ids.tgt_lens, self.cfg.train.batch_tokens):
+            batch = self.valid_ids.batch(indices).to(self.device)
+            with autocast(self.device, self.amp):
+                loss_sum += label_smoothed_loss(self.model, batch, 0.0).item()
+            n_tokens += batch.n_tgt_tokens
+        dc = self.cfg.decode
+        hyps = translate_ids(
+            self.model, self.valid_ids.src_ids, 1, dc.length_penalty, dc.max_len_a, dc.max_len_b, dc.batch_tokens
+        )
+        text = self.tgt_tok.decode_batch([h[0].tokens for h in hyps])
+        scores = corpus_scores(text, self.valid_refs)
+        return {"val_loss": loss_sum / n_tokens, "val_bleu": scores.bleu, "val_chrf": scores.chrf}
+
+    # -- the loop ----------------------------------------------------------------------------
+    def fit(self) -> TrainState:
+        from tqdm import tqdm
+
+        tc = self.cfg.train
+        st = self.state
+        pad = padding_fraction(
+            self.train_ids, plan_batches(self.train_ids.src_lens, self.train_ids.tgt_lens, tc.batch_tokens)
+        )
+        n_params = sum(p.numel() for p in self.model.parameters())
+        log.info(
+            "device %s, precision %s, %d parameters, %d training pairs, %d val sentences, padding %.1f%%",
+            self.device,
+            str(self.amp).replace("torch.", "") if self.amp else "fp32",
+            n_params,
+            len(self.train_ids),
+            len(self.valid_ids),
+            100 * pad,
+        )
+        metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        bar = tqdm(total=tc.max_steps, initial=st.step, unit="step", dynamic_ncols=True, mininterval=1.0)
+        window_tokens, window_loss, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
+        last_time = time.perf_counter()
+        stop_reason = f"reached train.max_steps={tc.max_steps}"
+        try:
+            with StopRequest() as stop:
+                groups = self._micro_batches()
+                while st.step < tc.max_steps:
+                    group = next(groups, None)
+                    if group is None:
+                        stop_reason = f"reached train.max_epochs={tc.max_epochs}"
+                        break
+                    loss, applied = self.train_step(group)
+                    now = time.perf_counter()
+                    st.elapsed += now - last_time
+                    last_time = now
+                    if not applied:
+                        st.skipped_steps += 1
+                        st.bad_steps_in_row += 1
+                        log.warning("non-finite loss or gradient at step %d: update skipped", st.step + 1)
+                        if st.bad_steps_in_row >= tc.max_bad_steps:
+                            raise MtxError(
+                                f"{tc.max_bad_steps} non-finite steps in a row at step {st.step}; "
+                                "lower train.lr or use train.amp=fp32 (last good checkpoint kept)"
+                            )
+                        continue
+                    st.bad_steps_in_row = 0
+                    st.step += 1
+                    tokens = sum(b.n_tgt_tokens for b in group)
+                    window_tokens += tokens
+                    window_loss += loss
+                    window_steps += 1
+                    bar.update(1)
+                    if st.step % tc.log_every == 0 or st.step == tc.max_steps:
+                        seconds = time.perf_counter() - window_start
+                        record = {
+                            "event": "train",
+                            "step": st.step,
+                            "epoch": st.epoch,
+                            "loss": window_loss / window_steps,
+                            "lr": self.optimizer.param_groups[0]["lr"],
+                            "tgt_tok_per_s": window_tokens / seconds,
+                            "elapsed_s": st.elapsed,
+                        }
+                        bar.set_postfix(
+                            loss=f"{record['loss']:.3f}",
+                            lr=f"{record['lr']:.2e}",
+                            tok_s=f"{record['tgt_tok_per_s']:.0f}",
+                        )
+                        metrics.write(json.dumps(record) + "\n")
+                        metrics.flush()
+                        window_tokens, window_loss, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
+                    at_eval = st.step % tc.eval_every == 0 or st.step == tc.max_steps
+                    if at_eval and self._evaluate(metrics):
+                        stop_reason = f"no val BLEU gain in {tc.patience} evaluations (train.patience)"
+                        break
+                    if stop.signal is not None:
+                        self.save()
+                        raise Interrupted(
+                            f"stopped at step {st.step}; checkpoint saved. Resume with: "
+                            f"mtx train --run-dir {self.run_dir} --resume"
+                        )
+        finally:
+            bar.close()
+            metrics.close()
+        if st.step % tc.eval_every and st.step != tc.max_steps:
+            self._evaluate(None)
+        self.save()
+        log.info(
+            "done: %s; best val BLEU %.2f at step %d; %.0f s of training",
+            stop_reason,
+            st.best_bleu,
+            st.best_step,
+            st.elapsed,
+        )
+        return st
+
+    def _evaluate(self, metrics: Any) -> bool:
+        """Validate, log, save step/best/last checkpoints; True when patience ran out."""
+        result = self.validate()
+        st = self.state
+        record = {"event": "valid", "step": st.step, "epoch": st.epoch, **result, "elapsed_s": st.elapsed}
+        self._save_step_and_best(result["val_bleu"])
+        record["best_bleu"] = st.best_bleu
+        message = (
+            f"step {st.step}: val loss {result['val_loss']:.3f}, val BLEU {result['val_bleu']:.2f} "
+            f"(best {st.best_bleu:.2f} at step {st.best_step})"
+        )
+        log.info(message)
+        if metrics is not None:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+        self.save()
+        return bool(self.cfg.train.patience) and st.evals_without_gain >= self.cfg.train.patience
+
+
+class Interrupted(MtxError):
+    """Training stopped by a signal after saving a checkpoint."""
+
+    exit_code = 130
+
+
+def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
+    """Refuse to overwrite another run; write the resolved config of a new one.
+
+    A directory with no checkpoints and the same config (a start that failed early) is reused."""
+    config_path = run_dir / ckpt_io.CONFIG_FILE
+    if resume:
+        if not (ckpt_io.checkpoint_dir(run_dir) / "last.pt").is_file():
+            raise MtxError(f"{run_dir}: nothing to resume (no checkpoints/last.pt); drop --resume to start a new run")
+        save_config(cfg, config_path)  # records --set changes made on resume
+        return
+    if run_dir.exists() and not run_dir.is_dir():
+        raise MtxError(f"{run_dir}: exists and is not a directory; choose another --run-dir")
+    if run_dir.exists() and any(run_dir.iterdir()):
+        same_start = (
+            not ckpt_io.checkpoint_dir(run_dir).exists()
+            and config_path.is_file()
+            and config_path.read_text(encoding="utf-8") == yaml.safe_dump(to_dict(cfg), sort_keys=False)
+        )
+        if not same_start:
+            raise MtxError(
+                f"{run_dir}: run directory already holds a run; continue it with --resume or choose a new --run-dir"
+            )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, config_path)
+
+
+def resolve_config(cfg: Config) -> Config:
+    """The config as the run will record it: `data.dir` replaced by the directory actually used."""
+    return replace(cfg, data=replace(cfg.data, dir=str(resolve_data_dir(cfg.data))))
+
+
+def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
+    """Train the config into `run_dir` (resuming from its last.pt when asked)."""
+    if not resume:
+        cfg = resolve_config(cfg)
+    prepare_run_dir(run_dir, cfg, resume)
+    handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logging.getLogger().addHandler(handler)
+    try:
+        return Trainer(cfg, run_dir, resume).fit()
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()

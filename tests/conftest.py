@@ -1,0 +1,62 @@
+"""Shared fixtures: the real Multi30k copy, a small slice of it, and one tiny trained run."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtx.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data" / "multi30k"
+TINY_CONFIG = REPO / "configs" / "tiny.yaml"
+
+torch.set_num_threads(2)
+
+
+def _head(path: Path, n: int) -> list[str]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [next(f) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not (SHARED_DATA / "train.de.gz").is_file():
+        pytest.fail(f"the Multi30k copy is missing at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> Path:
+    """Plain-text slice of the real data: 3000 train, 200 val, 100 test pairs (de, en)."""
+    out = tmp_path_factory.mktemp("multi30k_small")
+    for split, n in (("train", 3000), ("val", 200), ("test_2016_flickr", 100)):
+        for lang in ("de", "en"):
+            lines = _head(shared_data / f"{split}.{lang}.gz", n)
+            (out / f"{split}.{lang}").write_text("".join(lines), encoding="utf-8")
+    return out
+
+
+def tiny_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "--config",
+        str(TINY_CONFIG),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"data.dir={data_dir}",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, small_data: Path) -> Path:
+    """A tiny model trained for 200 steps on the small slice (shared by decoding tests)."""
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny"
+    args = tiny_args(small_data, run_dir, "--set", "train.max_steps=200", "--set", "train.eval_every=100")
+    assert main(args) == 0
+    return run_dir

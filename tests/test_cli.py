@@ -1,0 +1,103 @@
+"""The commands a user types, run as real processes: outputs, files and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO, tiny_args
+
+
+def mtx(*args: str, stdin: bytes | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    return subprocess.run(
+        [sys.executable, "-m", "mtx", *args], input=stdin, capture_output=True, cwd=cwd, env=env, timeout=600
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[bytes], *needles: str) -> None:
+    err = result.stderr.decode()
+    assert result.returncode != 0, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("mtx: error:")]
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], err
+
+
+def test_train_translate_eval_round_trip(tmp_path: Path, small_data: Path) -> None:
+    run_dir = tmp_path / "run"
+    r = mtx(*tiny_args(small_data, run_dir, "--set", "train.max_steps=30", "--set", "train.eval_every=15"))
+    assert r.returncode == 0, r.stderr.decode()
+    summary = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    assert summary["step"] == 30
+    files = ("config.yaml", "tokenizer.json", "metrics.jsonl", "train.log", "checkpoints/last.pt")
+    for name in (*files, "checkpoints/best.pt"):
+        assert (run_dir / name).is_file(), name
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {e["event"] for e in events} == {"train", "valid"}
+    assert [e["step"] for e in events if e["event"] == "valid"] == [15, 30]
+    assert f"data:\n  dir: {small_data}" in (run_dir / "config.yaml").read_text()  # resolved
+
+    r = mtx("translate", "--run", str(run_dir), "Ein Mann fährt Fahrrad.", "Zwei Hunde.")
+    assert r.returncode == 0, r.stderr.decode()
+    assert len(r.stdout.decode().splitlines()) == 2
+
+    r = mtx("translate", "--run", str(run_dir), "--beam", "1", stdin=b"Ein Hund.\n\nEine Frau.\n")
+    out = r.stdout.decode().split("\n")
+    assert r.returncode == 0 and len(out) == 4 and out[1] == "" and out[0] and out[2]
+
+    r = mtx("translate", "--run", str(run_dir), "--beam", "3", "--nbest", "2", "Ein Hund.")
+    lines = r.stdout.decode().splitlines()
+    assert r.returncode == 0 and len(lines) == 2 and all(line.startswith("0 ||| ") for line in lines)
+
+    r = mtx("eval", "--run", str(run_dir), "--beam", "2", "--lowercase")
+    text = r.stdout.decode()
+    assert r.returncode == 0, r.stderr.decode()
+    assert "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp" in text and "case:lc" in text and "chrF" in text
+    hyp_file = run_dir / "eval" / "test_2016_flickr.beam2.en"
+    assert len(hyp_file.read_text().splitlines()) == 100
+
+    src, ref = str(small_data / "val.de"), str(small_data / "val.en")
+    r = mtx("eval", "--run", str(run_dir), "--src", src, "--ref", ref, "--json")
+    result = json.loads(r.stdout.decode())
+    assert r.returncode == 0 and result["sentences"] == 200 and 0 <= result["bleu"] <= 100
+
+    # a second train into the same directory is refused and changes nothing
+    before = (run_dir / "checkpoints" / "last.pt").read_bytes()
+    r = mtx(*tiny_args(small_data, run_dir))
+    assert_one_line_error(r, "already holds a run", "--resume")
+    assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
+
+
+def test_help_lists_every_option() -> None:
+    for cmd in ([], ["train"], ["translate"], ["eval"]):
+        r = mtx(*cmd, "--help")
+        assert r.returncode == 0
+    assert b"--set" in mtx("train", "--help").stdout and b"--nbest" in mtx("translate", "--help").stdout
+
+
+@pytest.mark.parametrize(
+    "make_args, needles",
+    [
+        (lambda d, t: ["train", "--config", str(t / "bad.yaml")], ["bad.yaml", "train.max_step", "max_steps"]),
+        (lambda d, t: [*tiny_args(t / "missing", t / "r")], ["does not exist", "data.dir"]),
+        (lambda d, t: [*tiny_args(d, t / "r", "--set", "model.n_heads=3")], ["divisible"]),
+        (lambda d, t: ["translate", "--run", str(t / "nowhere"), "hi"], ["run directory not found"]),
+        (lambda d, t: ["train", "--run-dir", str(t / "r2"), "--resume"], ["run directory not found"]),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(tmp_path: Path, small_data: Path, make_args, needles) -> None:  # noqa: ANN001
+    (tmp_path / "bad.yaml").write_text("train:\n  max_step: 3\n")
+    assert_one_line_error(mtx(*make_args(small_data, tmp_path)), *needles)
+
+
+def test_translate_errors_on_a_finished_run(tiny_run: Path) -> None:
+    assert_one_line_error(mtx("translate", "--run", str(tiny_run), stdin=b"ok\n\xff\n"), "line 2 is not valid UTF-8")
+    assert_one_line_error(mtx("translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "3", "x"), "--nbest")
+    assert_one_line_error(mtx("eval", "--run", str(tiny_run), "--split", "nosuch"), "nosuch")

@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mtx.config import Config, from_dict, load_config, save_config, to_dict
+from mtx.errors import ConfigError
+
+from .conftest import REPO
+
+
+def test_round_trip_through_yaml(tmp_path: Path) -> None:
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    save_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+    assert from_dict(to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_shipped_configs_load(name: str) -> None:
+    assert isinstance(load_config(REPO / "configs" / name), Config)
+
+
+def test_unknown_key_names_file_key_and_suggestion(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  max_step: 10\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    msg = str(e.value)
+    assert str(path) in msg and "train.max_step" in msg and "did you mean train.max_steps" in msg
+    assert "\n" not in msg
+
+
+def test_unknown_section(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("trian:\n  max_steps: 10\n")
+    with pytest.raises(ConfigError, match="unknown key trian.*did you mean train"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "text, pattern",
+    [
+        ("model:\n  d_model: big\n", "model.d_model must be an integer"),
+        ("model:\n  pre_norm: 1\n", "model.pre_norm must be true or false"),
+        ("train:\n  batch_tokens: 0\n", r"train.batch_tokens must be > 0"),
+        ("train:\n  lr: -1\n", r"train.lr must be > 0"),
+        ("model:\n  d_model: 100\n  n_heads: 3\n", "divisible by model.n_heads"),
+        ("model:\n  dropout: 1.5\n", r"model.dropout must be in \[0, 1\)"),
+        ("train:\n  amp: fp8\n", "train.amp must be one of"),
+        ("train: [1, 2]\n", "section train must be a mapping"),
+        ("- a\n- b\n", "top level must be a mapping"),
+        ("train:\n  max_steps: [1\n", "malformed YAML at line"),
+    ],
+)
+def test_bad_values_are_one_line_errors(tmp_path: Path, text: str, pattern: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=pattern) as e:
+        load_config(path)
+    assert "\n" not in str(e.value)
+
+
+def test_overrides_convert_to_field_types() -> None:
+    cfg = load_config(
+        REPO / "configs" / "tiny.yaml",
+        ["train.max_steps=7", "train.lr=1e-3", "model.pre_norm=false", "train.adam_betas=[0.9, 0.99]"],
+    )
+    assert cfg.train.max_steps == 7 and cfg.train.lr == 1e-3 and cfg.model.pre_norm is False
+    assert cfg.train.adam_betas == (0.9, 0.99)
+    assert load_config(None, ["train.lr=1"]).train.lr == 1.0  # int -> float
+
+
+def test_override_errors() -> None:
+    with pytest.raises(ConfigError, match="did you mean model.d_model"):
+        load_config(None, ["model.dmodel=8"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(None, ["train.max_steps"])
+    with pytest.raises(ConfigError, match="train.max_steps must be an integer"):
+        load_config(None, ["train.max_steps=abc"])
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("/nonexistent/c.yaml")

@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mtx.config import DataConfig
+from mtx.data import (
+    ParallelIds,
+    available_splits,
+    epoch_batches,
+    epoch_length,
+    load_corpus,
+    padding_fraction,
+    plan_batches,
+    read_lines,
+    resolve_data_dir,
+    texts,
+)
+from mtx.errors import DataError
+from mtx.tokenizer import BOS, EOS, PAD
+
+
+def test_loads_the_shared_multi30k_copy(shared_data: Path) -> None:
+    cfg = DataConfig(dir=str(shared_data))
+    corpus = load_corpus(resolve_data_dir(cfg), cfg, ["train", "val", "test_2016_flickr"])
+    assert [len(corpus[s]) for s in ("train", "val", "test_2016_flickr")] == [29000, 1014, 1000]
+    assert corpus["train"][0]["src"].startswith("Zwei junge weiße Männer")
+    assert corpus["train"][0]["tgt"].startswith("Two young, White males")
+    assert set(available_splits(shared_data, "de", "en")) == {"train", "val", "test_2016_flickr"}
+
+
+def test_loads_plain_and_gz_files_from_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "train.fr").write_text("Bonjour.\nMerci.\n", encoding="utf-8")
+    with gzip.open(tmp_path / "train.en.gz", "wt", encoding="utf-8") as f:
+        f.write("Hello.\nThanks.\n")
+    cfg = DataConfig(dir=str(tmp_path), src_lang="en", tgt_lang="fr")
+    ds = load_corpus(tmp_path, cfg, ["train"])["train"]
+    assert ds["src"] == ["Hello.", "Thanks."] and ds["tgt"] == ["Bonjour.", "Merci."]
+
+
+def test_data_errors(tmp_path: Path) -> None:
+    cfg = DataConfig(dir=str(tmp_path), src_lang="de", tgt_lang="en")
+    with pytest.raises(DataError, match="does not exist"):
+        resolve_data_dir(DataConfig(dir=str(tmp_path / "nope")))
+    with pytest.raises(DataError, match="split 'train' missing"):
+        load_corpus(tmp_path, cfg, ["train"])
+    (tmp_path / "train.de").write_text("a\nb\nc\n")
+    (tmp_path / "train.en").write_text("a\nb\n")
+    with pytest.raises(DataError, match="has 3 lines but .* has 2"):
+        load_corpus(tmp_path, cfg, ["train"])
+    (tmp_path / "train.en").write_text("a\n\nc\n")
+    with pytest.raises(DataError, match="line 2 is empty"):
+        load_corpus(tmp_path, cfg, ["train"])
+    (tmp_path / "train.en").write_bytes(b"a\nb\n\xff\xfe\n")
+    with pytest.raises(DataError, match="line 3 is not valid UTF-8"):
+        load_corpus(tmp_path, cfg, ["train"])
+    (tmp_path / "val.de").write_text("")
+    (tmp_path / "val.en").write_text("")
+    with pytest.raises(DataError, match="empty"):
+        load_corpus(tmp_path, cfg, ["val"])
+
+
+def test_read_lines_strips_and_keeps_count(tmp_path: Path) -> None:
+    (tmp_path / "x").write_text(" a \r\nb\n")
+    assert read_lines(tmp_path / "x") == ["a", "b"]
+
+
+def _lengths(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    src = rng.integers(3, 40, n)
+    return src, np.clip(src + rng.integers(-5, 6, n), 2, None)
+
+
+def test_batches_respect_budget_and_cover_every_sentence_once() -> None:
+    src, tgt = _lengths(5000)
+    plan = plan_batches(src, tgt, 600, seed=3)
+    seen = np.concatenate(plan)
+    assert sorted(seen.tolist()) == list(range(5000))
+    for b in plan:
+        assert len(b) * max(src[b].max(), tgt[b].max()) <= 600
+
+
+def test_shuffle_is_seeded_and_changes_per_epoch() -> None:
+    src, tgt = _lengths(2000)
+    a = plan_batches(src, tgt, 500, seed=1)
+    b = plan_batches(src, tgt, 500, seed=1)
+    c = plan_batches(src, tgt, 500, seed=2)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=False))
+
+
+def test_padding_is_small_on_multi30k_train(shared_data: Path) -> None:
+    """Real BPE lengths of Multi30k train: bucketing keeps padding under 5% at ~4k tokens."""
+    from mtx.config import TokenizerConfig
+    from mtx.tokenizer import train_bpe
+
+    cfg = DataConfig(dir=str(shared_data))
+    src, tgt = texts(load_corpus(shared_data, cfg, ["train"])["train"])
+    tok = train_bpe(src + tgt, TokenizerConfig(vocab_size=8000))
+    ids = ParallelIds.encode(src, tgt, tok, tok)
+    for seed in (None, 1):
+        plan = plan_batches(ids.src_lens, ids.tgt_lens, 4096, seed=seed)
+        assert padding_fraction(ids, plan) < 0.05
+
+
+def test_batch_tensors_and_rank_shards() -> None:
+    ids = ParallelIds([[5, 6, 7], [8]], [[9], [10, 11]])
+    batch = ids.batch([0, 1])
+    assert batch.src.tolist() == [[5, 6, 7, EOS], [8, EOS, PAD, PAD]]
+    assert batch.tgt_in.tolist() == [[BOS, 9, PAD], [BOS, 10, 11]]
+    assert batch.tgt_out.tolist() == [[9, EOS, PAD], [10, 11, EOS]]
+    assert batch.n_src_tokens == 6 and batch.n_tgt_tokens == 5
+
+    src, tgt = _lengths(999)
+    ids = ParallelIds([[4] * (s - 1) for s in src], [[4] * (t - 1) for t in tgt])
+    shards = [list(epoch_batches(ids, 400, seed=1, epoch=0, rank=r, world_size=2)) for r in (0, 1)]
+    assert len(shards[0]) == len(shards[1]) == epoch_length(ids, 400, 1, 0, world_size=2)

@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtx.config import ModelConfig
+from mtx.data import Batch, pad_ids
+from mtx.model import Seq2Seq, make_src_mask
+from mtx.tokenizer import BOS, EOS, PAD
+from mtx.train import label_smoothed_loss
+
+V = 50
+
+
+def _model(pre_norm: bool = True, dropout: float = 0.0, joint: bool = True, tie: bool = True) -> Seq2Seq:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        d_model=32, n_heads=4, d_ff=64, n_encoder_layers=2, n_decoder_layers=2, dropout=dropout,
+        pre_norm=pre_norm, tie_embeddings=tie, max_positions=64,
+    )  # fmt: skip
+    return Seq2Seq(cfg, V, V if joint else V + 7, joint_vocab=joint).eval()
+
+
+def _src() -> torch.Tensor:
+    return pad_ids([[5, 6, 7, 8, 9], [10, 11, 12]], suffix=EOS)
+
+
+@pytest.mark.parametrize("pre_norm", [True, False])
+def test_padding_does_not_change_encoder_or_decoder_outputs(pre_norm: bool) -> None:
+    model = _model(pre_norm)
+    src = _src()
+    tgt = torch.tensor([[BOS, 20, 21], [BOS, 22, 23]])
+    logits = model(src, tgt)
+    wider = torch.cat([src, torch.full((2, 4), PAD)], dim=1)  # more padding
+    assert torch.allclose(model(wider, tgt), logits, atol=1e-5)
+    noisy = src.clone()
+    noisy[1, 4:] = 30  # garbage where the mask says padding
+    mask = make_src_mask(src)
+    assert torch.allclose(
+        model.decode(tgt, model.encode(noisy, mask), mask), logits, atol=1e-5
+    )  # masked keys are ignored
+
+
+def test_decoder_does_not_look_ahead() -> None:
+    model = _model()
+    src = _src()
+    tgt = torch.tensor([[BOS, 20, 21, 22], [BOS, 23, 24, 25]])
+    changed = tgt.clone()
+    changed[:, 2:] = 40
+    a, b = model(src, tgt), model(src, changed)
+    assert torch.allclose(a[:, :2], b[:, :2], atol=1e-6)
+    assert not torch.allclose(a[:, 2:], b[:, 2:])
+
+
+@pytest.mark.parametrize("pre_norm", [True, False])
+def test_cached_and_uncached_decoder_logits_agree(pre_norm: bool) -> None:
+    model = _model(pre_norm)
+    src = _src()
+    tgt = torch.tensor([[BOS, 20, 21, 22, 23], [BOS, 24, 25, 26, 27]])
+    mask = make_src_mask(src)
+    memory = model.encode(src, mask)
+    full = model.decode(tgt, memory, mask)
+    cache = model.new_cache()
+    steps = [model.decode(tgt[:, t : t + 1], memory, mask, cache) for t in range(tgt.shape[1])]
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
+    # several new positions after a cached prefix
+    cache = model.new_cache()
+    first = model.decode(tgt[:, :2], memory, mask, cache)
+    rest = model.decode(tgt[:, 2:], memory, mask, cache)
+    assert torch.allclose(torch.cat([first, rest], dim=1), full, atol=1e-5)
+
+
+def test_weight_tying() -> None:
+    joint = _model(joint=True)
+    assert joint.src_embed is joint.tgt_embed and joint.output_proj is None
+    split = _model(joint=False)
+    assert split.src_embed is not split.tgt_embed and split.output_proj is None
+    untied = _model(tie=False)
+    assert untied.output_proj is not None
+
+
+@pytest.mark.parametrize("pre_norm", [True, False])
+def test_overfits_one_batch(pre_norm: bool) -> None:
+    torch.manual_seed(0)
+    model = _model(pre_norm, dropout=0.0).train()
+    src = pad_ids([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]], suffix=EOS)
+    tgt = [[20, 21, 22], [23, 24, 25, 26], [27, 28], [29, 30, 31, 32, 33]]
+    batch = Batch(src, pad_ids(tgt, prefix=BOS), pad_ids(tgt, suffix=EOS), int((src != PAD).sum()), 18)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss = label_smoothed_loss(model, batch, 0.0) / batch.n_tgt_tokens
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.02

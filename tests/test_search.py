@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtx.checkpoint import LoadedRun, load_run
+from mtx.data import pad_ids, read_lines
+from mtx.search import beam_search, greedy_search, length_penalty, translate_ids
+from mtx.tokenizer import EOS
+
+
+@pytest.fixture(scope="module")
+def run(tiny_run: Path) -> LoadedRun:
+    return load_run(tiny_run)
+
+
+@pytest.fixture(scope="module")
+def src_ids(run: LoadedRun, small_data: Path) -> list[list[int]]:
+    return run.src_tok.encode_batch(read_lines(small_data / "val.de")[:40])
+
+
+def _batch(ids: list[list[int]]) -> torch.Tensor:
+    return pad_ids(ids, suffix=EOS)
+
+
+def test_beam_one_equals_greedy(run: LoadedRun, src_ids: list[list[int]]) -> None:
+    src = _batch(src_ids)
+    greedy = greedy_search(run.model, src, 1.2, 10)
+    beam = beam_search(run.model, src, 1, 0.0, 1.2, 10)
+    assert [h.tokens for h in greedy] == [b[0].tokens for b in beam]
+    assert [h.log_prob for h in greedy] == pytest.approx([b[0].log_prob for b in beam], abs=1e-4)
+
+
+@pytest.mark.parametrize("beam", [1, 5])
+def test_batched_equals_one_at_a_time(run: LoadedRun, src_ids: list[list[int]], beam: int) -> None:
+    batched = translate_ids(run.model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=100_000)
+    single = [translate_ids(run.model, [s], beam, 1.0, 1.2, 10, batch_tokens=100_000)[0] for s in src_ids]
+    assert [h[0].tokens for h in batched] == [h[0].tokens for h in single]
+    small_batches = translate_ids(run.model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=60)
+    assert [h[0].tokens for h in small_batches] == [h[0].tokens for h in batched]
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_cached_equals_uncached(run: LoadedRun, src_ids: list[list[int]], beam: int) -> None:
+    cached = translate_ids(run.model, src_ids[:20], beam, 1.0, 1.2, 10, 100_000, nbest=beam)
+    uncached = translate_ids(run.model, src_ids[:20], beam, 1.0, 1.2, 10, 100_000, nbest=beam, use_cache=False)
+    for a, b in zip(cached, uncached, strict=True):
+        assert [h.tokens for h in a] == [h.tokens for h in b]
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+
+
+def test_nbest_sorted_and_first_is_one_best(run: LoadedRun, src_ids: list[list[int]]) -> None:
+    nbest = translate_ids(run.model, src_ids, 4, 1.0, 1.2, 10, 100_000, nbest=4)
+    best = translate_ids(run.model, src_ids, 4, 1.0, 1.2, 10, 100_000, nbest=1)
+    for hyps, one in zip(nbest, best, strict=True):
+        scores = [h.score for h in hyps]
+        assert scores == sorted(scores, reverse=True) and len(hyps) == 4
+        assert hyps[0].tokens == one[0].tokens
+        for h in hyps:  # score is the length-normalised log-probability
+            assert h.score == pytest.approx(h.log_prob / length_penalty(len(h.tokens) + 1, 1.0), abs=1e-5)
+
+
+def test_output_length_cap_and_empty_input(run: LoadedRun, src_ids: list[list[int]]) -> None:
+    hyps = translate_ids(run.model, [[], *src_ids[:5]], 3, 1.0, 0.0, 3, 100_000)
+    assert hyps[0][0].tokens == []
+    assert all(len(h[0].tokens) <= 2 for h in hyps)  # at most 3 outputs, EOS included
+
+
+def test_overlong_input_is_truncated_with_a_warning(run: LoadedRun, caplog: pytest.LogCaptureFixture) -> None:
+    long = [7] * (run.model.cfg.max_positions + 20)
+    hyps = translate_ids(run.model, [long], 2, 1.0, 1.2, 10, 100_000)
+    assert len(hyps) == 1 and "truncated" in caplog.text

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from mtx.config import DataConfig, TokenizerConfig
+from mtx.data import load_corpus, texts
+from mtx.tokenizer import BOS, BPE, EOS, PAD, UNK, train_bpe, train_or_load
+
+
+def test_round_trip_over_the_val_split(shared_data: Path) -> None:
+    cfg = DataConfig(dir=str(shared_data))
+    corpus = load_corpus(shared_data, cfg, ["train", "val"])
+    train_src, train_tgt = texts(corpus["train"])
+    tok = train_bpe(train_src[:5000] + train_tgt[:5000], TokenizerConfig(vocab_size=2000))
+    for lines in texts(corpus["val"]):
+        ids = tok.encode_batch(lines)
+        assert UNK not in {i for seq in ids for i in seq}
+        assert tok.decode_batch(ids) == lines
+    assert [tok.tokenizer.token_to_id(t) for t in ("<pad>", "<s>", "</s>", "<unk>")] == [PAD, BOS, EOS, UNK]
+
+
+def test_nfc_normalisation_and_unseen_characters() -> None:
+    tok = train_bpe(["Ein Mann fährt Fahrrad."] * 10, TokenizerConfig(vocab_size=300, min_frequency=1))
+    decomposed = "fa\u0308hrt"  # NFD a + combining diaeresis
+    assert tok.decode_batch(tok.encode_batch([decomposed])) == ["fährt"]
+    assert tok.decode_batch(tok.encode_batch(["Ωμέγα 😀"])) == ["Ωμέγα 😀"]
+
+
+def test_per_language_tokenizers_are_saved_and_reloaded(tmp_path: Path) -> None:
+    cfg = TokenizerConfig(vocab_size=300, joint=False, min_frequency=1)
+    src, tgt = train_or_load(tmp_path, cfg, "de", "en", ["Hallo Welt"] * 5, ["Hello world"] * 5)
+    assert (tmp_path / "tokenizer.de.json").is_file() and (tmp_path / "tokenizer.en.json").is_file()
+    src2, tgt2 = train_or_load(tmp_path, cfg, "de", "en", [], [])
+    assert src2.fingerprint() == src.fingerprint() and tgt2.fingerprint() == tgt.fingerprint()
+    assert src.fingerprint() != tgt.fingerprint()
+    assert isinstance(BPE.load(tmp_path / "tokenizer.de.json"), BPE)
