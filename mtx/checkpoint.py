@@ -4,16 +4,20 @@ A run directory holds everything needed to translate: the resolved `config.yaml`
 tokenizer file(s) and `checkpoints/{last,best,step_N}.pt`. Checkpoints are written to a
 temporary file in the same directory, flushed, fsynced and renamed over the old file, so a
 crash at any moment leaves either the previous or the new checkpoint, never a torn one.
+Temporary files left by a writer that was killed mid-save are removed at the next save.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import re
+import warnings
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -36,42 +40,107 @@ def step_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(paths, key=lambda p: int(p.stem.split("_", 1)[1]) if p.stem.split("_", 1)[1].isdigit() else -1)
 
 
-def atomic_save(obj: dict[str, Any], path: Path) -> None:
-    """torch.save to `path` so that readers only ever see a complete file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+def _pid_alive(pid: int) -> bool:
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_tmp(directory: Path) -> list[Path]:
+    """Remove `.NAME.tmp.PID` files left by writers that died mid-save (e.g. `kill -9`)."""
+    removed = []
+    if not directory.is_dir():
+        return removed
+    for path in directory.glob(".*.tmp.*"):
+        pid = path.name.rsplit(".", 1)[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
 
 
+def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Write through a same-directory temporary file, fsync, rename over `path`, fsync the directory."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale_tmp(path.parent)
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot write ({e.strerror or e}); the previous file is unchanged") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_save(obj: dict[str, Any], path: Path) -> None:
+    """torch.save to `path` so that readers only ever see a complete file (old or new)."""
+    _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace a small text file (e.g. config.yaml) atomically."""
+    _atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def _refusal_detail(message: str) -> str:
+    """What the weights-only unpickler refused, from torch's long error text."""
+    found = re.search(r"unsupported (?:global: )?GLOBAL ([\w.]+)", message, re.IGNORECASE)
+    if found:
+        return f"a reference to {found.group(1)}"
+    found = re.search(r"Unsupported operand (\d+)", message)
+    if found:
+        return f"pickle opcode {found.group(1)}"
+    return "objects other than tensors and plain containers"
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load with `weights_only=True`: tensors and plain containers only, never code."""
+    """Load with `weights_only=True`: tensors and plain containers only, never code.
+
+    The file must be a complete torch.save zip archive whose members pass their CRC check,
+    so truncated or bit-flipped files are errors rather than silently wrong weights."""
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint not found")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported content"
+        with zipfile.ZipFile(path) as archive:
+            bad_member = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
         raise CheckpointError(
-            f"{path}: refused to load: the file holds objects other than weights ({first[:120]}); "
-            "only load checkpoints you trust, written by mtx"
+            f"{path}: truncated or corrupted checkpoint (not a complete torch.save archive); refused to load"
         ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
+    if bad_member is not None:
+        raise CheckpointError(f"{path}: corrupted checkpoint ({bad_member} fails its CRC check); refused to load")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{path}: refused to load: it holds {_refusal_detail(str(e))}, which could run code when unpickled; "
+            "only use checkpoints written by mtx"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: truncated or corrupted checkpoint ({e.__class__.__name__})") from None
-    if not isinstance(obj, dict) or "model" not in obj:
+    if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
         raise CheckpointError(f"{path}: not an mtx checkpoint (no 'model' weights)")
+    if not all(isinstance(v, torch.Tensor) for v in obj["model"].values()):
+        raise CheckpointError(f"{path}: not an mtx checkpoint ('model' holds values other than tensors)")
     version = obj.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format {version!r} is not supported (expected {FORMAT_VERSION})")
@@ -94,7 +163,10 @@ def shape_fingerprint(model: Seq2Seq) -> dict[str, list[int]]:
 def check_compatible(ckpt: dict[str, Any], path: Path, vocab: str, model: Seq2Seq) -> None:
     """One-line errors when a checkpoint's vocabulary or model shape differs from the run's."""
     if ckpt.get("vocab") != vocab:
-        raise CheckpointError(f"{path}: vocabulary differs from the run's tokenizer (fingerprint mismatch)")
+        raise CheckpointError(
+            f"{path}: vocabulary differs from the run's tokenizer (fingerprint mismatch); "
+            "the checkpoint belongs to another run"
+        )
     expected = shape_fingerprint(model)
     got = {k: list(v.shape) for k, v in ckpt["model"].items()}
     if got != expected:
@@ -133,7 +205,10 @@ def load_run(run_dir: Path, checkpoint: Path | None = None, device: torch.device
         candidates = [ckpts / "best.pt", ckpts / "last.pt"]
         checkpoint = next((p for p in candidates if p.is_file()), None)
         if checkpoint is None:
-            raise CheckpointError(f"{run_dir}: no checkpoints yet (train first: mtx train --run-dir {run_dir})")
+            raise CheckpointError(
+                f"{run_dir}: no checkpoints yet; train it first: "
+                f"mtx train --config {run_dir / CONFIG_FILE} --run-dir {run_dir}"
+            )
     ckpt = load_checkpoint(checkpoint)
     model = build_model(cfg, src_tok, tgt_tok)
     check_compatible(ckpt, checkpoint, vocab_fingerprint(src_tok, tgt_tok), model)

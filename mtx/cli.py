@@ -175,6 +175,11 @@ def cmd_translate(args: argparse.Namespace) -> int:
         texts = _read_stdin_lines()
     elif "-" in texts:
         raise MtxError("'-' (read standard input) cannot be mixed with TEXT arguments")
+    for i, text in enumerate(texts, 1):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable argv bytes arrive as lone surrogates
+            raise MtxError(f"TEXT argument {i} is not valid UTF-8; re-encode it as UTF-8") from None
     texts = [t.strip() for t in texts]
     run = _load(args)
     beam, alpha, batch_tokens = _decode_settings(args, run.cfg.decode)
@@ -273,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except MtxError as e:
-        print(f"mtx: error: {e}", file=sys.stderr)
+        print(f"mtx: {e.prefix}{e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("mtx: interrupted", file=sys.stderr)

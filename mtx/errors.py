@@ -5,6 +5,7 @@ class MtxError(Exception):
     """A problem the user can fix: bad config, bad data, bad run directory."""
 
     exit_code = 1
+    prefix = "error: "  # printed as `mtx: error: <message>`
 
 
 class ConfigError(MtxError):
@@ -17,3 +18,13 @@ class DataError(MtxError):
 
 class CheckpointError(MtxError):
     """Missing, corrupted, unsafe or mismatched checkpoint."""
+
+
+class Interrupted(MtxError):
+    """Training stopped by SIGINT/SIGTERM after saving a checkpoint; exit code 128 + signal."""
+
+    prefix = ""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -17,9 +17,37 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtx.config import ModelConfig
 from mtx.tokenizer import PAD
+
+_CPU_LOW_PRECISION = [SDPBackend.MATH]
+_ANY_BACKEND = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Inverted dropout. On CPU the keep-mask comes from 16-bit slices of 64-bit random words,
+    several times cheaper than `bernoulli_` (which dominated CPU training steps); p is rounded
+    to a multiple of 1/65536."""
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu":
+        return F.dropout(x, p, training=True)
+    n = x.numel()
+    words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1)
+    threshold = round(p * 65536)
+    keep = words.view(torch.int16)[:n].view(x.shape) >= threshold - 32768
+    return x * keep.to(x.dtype).mul_(65536 / (65536 - threshold))
+
+
+class Dropout(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dropout(x, self.p, self.training)
 
 
 def make_src_mask(src: torch.Tensor) -> torch.Tensor:
@@ -68,7 +96,7 @@ class Embedding(nn.Module):
         self.tokens = nn.Embedding(vocab_size, d_model, padding_idx=PAD)
         self.scale = math.sqrt(d_model)
         self.register_buffer("positions", sinusoidal_positions(max_positions, d_model), persistent=False)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         length = ids.shape[1]
@@ -132,10 +160,25 @@ class Attention(nn.Module):
                         mask = torch.ones(length, total, dtype=torch.bool, device=x.device).tril(total - length)
                         is_causal = False
                 cache.self_kv[layer] = (k, v)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
-        )  # (B, H, L, Dh)
+        if length == 1 and not self.training:  # one decoding step: 2-3x faster than SDPA's kernels
+            return self.out_proj(_single_query_attention(q, k, v, mask).transpose(1, 2).reshape(b, 1, d))
+        # CPU flash attention is slow in bf16 for short sequences; the math backend is ~4x faster
+        backend = _CPU_LOW_PRECISION if q.device.type == "cpu" and q.dtype != torch.float32 else _ANY_BACKEND
+        with sdpa_kernel(backend):
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
+            )  # (B, H, L, Dh)
         return self.out_proj(y.transpose(1, 2).reshape(b, length, d))
+
+
+def _single_query_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(Dh)) v for one query position: (B, H, 1, Dh) -> (B, H, 1, Dh)."""
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, 1, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
 
 
 class FeedForward(nn.Module):
@@ -143,7 +186,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.dropout(F.relu(self.fc1(x))))  # (B, L, D) -> (B, L, F) -> (B, L, D)
@@ -155,7 +198,7 @@ class Sublayer(nn.Module):
     def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.pre_norm = pre_norm
 
     def forward(self, x: torch.Tensor, y_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

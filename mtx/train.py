@@ -11,20 +11,20 @@ import logging
 import math
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import yaml
 
 from mtx import checkpoint as ckpt_io
-from mtx.config import Config, TrainConfig, save_config, to_dict
+from mtx.config import Config, TrainConfig, to_dict
 from mtx.data import (
     Batch,
     ParallelIds,
@@ -35,11 +35,14 @@ from mtx.data import (
     resolve_data_dir,
     texts,
 )
-from mtx.errors import MtxError
+from mtx.errors import CheckpointError, Interrupted, MtxError
 from mtx.evaluate import corpus_scores
 from mtx.model import Seq2Seq, make_src_mask
 from mtx.search import translate_ids
-from mtx.tokenizer import PAD, train_or_load
+from mtx.tokenizer import PAD, load_run_tokenizers, tokenizer_paths, train_or_load
+
+if TYPE_CHECKING:
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +101,14 @@ def learning_rate(step: int, cfg: TrainConfig, d_model: int) -> float:
     return cfg.lr * factor
 
 
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Adam:
+    """Adam with the fused (single-kernel) update where the device has one."""
+    fused = {"fused": True} if device.type in ("cuda", "cpu") else {}
+    return torch.optim.Adam(
+        model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay, **fused
+    )
+
+
 def label_smoothed_loss(model: Seq2Seq, batch: Batch, smoothing: float) -> torch.Tensor:
     """Sum of label-smoothed cross-entropy over the non-padding target positions.
 
@@ -108,7 +119,48 @@ def label_smoothed_loss(model: Seq2Seq, batch: Batch, smoothing: float) -> torch
     states = model.decoder_states(batch.tgt_in, memory, src_mask)  # (B, T, D)
     keep = batch.tgt_out != PAD
     logits = model.project(states[keep])  # (N, V)
-    return F.cross_entropy(logits.float(), batch.tgt_out[keep], label_smoothing=smoothing, reduction="sum")
+    return SmoothedCrossEntropy.apply(logits, batch.tgt_out[keep], smoothing)
+
+
+class SmoothedCrossEntropy(torch.autograd.Function):
+    """Sum of label-smoothed cross-entropy of (N, V) logits, fused and chunked over rows.
+
+    Same value and gradient as `F.cross_entropy(logits.float(), target, label_smoothing=eps,
+    reduction="sum")`, but each block of rows is upcast, reduced and differentiated while it is
+    in cache, and the gradient (softmax - smoothed one-hot) is written once in the logits' dtype:
+    the unfused version makes about ten full passes over the N x V matrix."""
+
+    ROWS = 128
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        with torch.autocast(logits.device.type, enabled=False):
+            for i in range(0, logits.shape[0], SmoothedCrossEntropy.ROWS):
+                z = logits[i : i + SmoothedCrossEntropy.ROWS].float()  # (R, V)
+                rows_lse = torch.logsumexp(z, dim=-1)
+                lse[i : i + SmoothedCrossEntropy.ROWS] = rows_lse
+                nll = rows_lse - z.gather(1, target[i : i + SmoothedCrossEntropy.ROWS, None]).squeeze(1)
+                uniform = rows_lse - z.mean(dim=-1)
+                total += ((1.0 - smoothing) * nll + smoothing * uniform).sum()
+        ctx.save_for_backward(logits, target, lse)
+        ctx.smoothing = smoothing
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, target, lse = ctx.saved_tensors
+        eps, vocab = ctx.smoothing, logits.shape[1]
+        out = torch.empty_like(logits)
+        with torch.autocast(logits.device.type, enabled=False):
+            for i in range(0, logits.shape[0], SmoothedCrossEntropy.ROWS):
+                rows = slice(i, i + SmoothedCrossEntropy.ROWS)
+                p = torch.exp(logits[rows].float() - lse[rows, None])  # softmax (R, V)
+                p.sub_(eps / vocab)
+                p.scatter_add_(1, target[rows, None], torch.full_like(p[:, :1], eps - 1.0))
+                out[rows] = p.mul_(grad)
+        return out, None, None
 
 
 @dataclass
@@ -125,7 +177,13 @@ class TrainState:
 
 
 def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """Python, numpy and torch (CPU, CUDA) generator states, in types a weights-only load accepts."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -133,6 +191,8 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -152,8 +212,9 @@ class StopRequest:
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequest:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old[sig] = signal.signal(sig, self._handle)
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -170,10 +231,14 @@ class StopRequest:
 class Trainer:
     """Holds a run's model, optimizer and data; `fit` runs the loop."""
 
-    def __init__(self, cfg: Config, run_dir: Path, resume: bool) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, resume: bool, corpus: datasets.DatasetDict | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        self.resumed = resume
+        self.saved_step: int | None = None  # step of the newest last.pt
         tc = cfg.train
+        for path in ckpt_io.clean_stale_tmp(ckpt_io.checkpoint_dir(run_dir)):
+            log.info("removed %s, left by an interrupted save", path)
         if tc.threads:
             torch.set_num_threads(tc.threads)
         seed_everything(tc.seed)
@@ -181,12 +246,18 @@ class Trainer:
         self.amp = amp_dtype(self.device, tc.amp)
 
         data_dir = resolve_data_dir(cfg.data)
-        corpus = load_corpus(data_dir, cfg.data, [cfg.data.train_split, cfg.data.valid_split])
+        if corpus is None:
+            corpus = load_corpus(data_dir, cfg.data, [cfg.data.train_split, cfg.data.valid_split])
         train_src, train_tgt = texts(corpus[cfg.data.train_split])
         valid_src, valid_tgt = texts(corpus[cfg.data.valid_split])
-        self.src_tok, self.tgt_tok = train_or_load(
-            run_dir, cfg.tokenizer, cfg.data.src_lang, cfg.data.tgt_lang, train_src, train_tgt
-        )
+        if resume:  # never retrain the tokenizer of a run that has weights
+            self.src_tok, self.tgt_tok = load_run_tokenizers(
+                run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang
+            )
+        else:
+            self.src_tok, self.tgt_tok = train_or_load(
+                run_dir, cfg.tokenizer, cfg.data.src_lang, cfg.data.tgt_lang, train_src, train_tgt
+            )
         self.train_ids = ParallelIds.encode(train_src, train_tgt, self.src_tok, self.tgt_tok, cfg.data.max_len)
         n_val = tc.eval_sentences or len(valid_src)
         self.valid_refs = valid_tgt[:n_val]
@@ -195,14 +266,7 @@ class Trainer:
 
         self.model = ckpt_io.build_model(cfg, self.src_tok, self.tgt_tok).to(self.device)
         self.vocab = ckpt_io.vocab_fingerprint(self.src_tok, self.tgt_tok)
-        self.optimizer = torch.optim.Adam(
-            self.model.parameters(),
-            lr=tc.lr,
-            betas=tc.adam_betas,
-            eps=tc.adam_eps,
-            weight_decay=tc.weight_decay,
-            **({"fused": True} if self.device.type in ("cuda", "cpu") else {}),
-        )
+        self.optimizer = make_optimizer(self.model, tc, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == torch.float16)
         self.loss_fn = torch.compile(label_smoothed_loss) if tc.compile else label_smoothed_loss
         self.state = TrainState()
@@ -228,20 +292,49 @@ class Trainer:
         return out
 
     def save(self) -> None:
+        """Write the full training state to last.pt (atomically)."""
         ckpt_io.atomic_save(self._payload(full=True), ckpt_io.checkpoint_dir(self.run_dir) / "last.pt")
+        self.saved_step = self.state.step
 
     def _restore(self) -> None:
+        """Continue from last.pt: weights, optimizer, scaler, RNG states and data position."""
         path = ckpt_io.checkpoint_dir(self.run_dir) / "last.pt"
         ckpt = ckpt_io.load_checkpoint(path)
+        missing = [k for k in ("optimizer", "scaler", "rng", "state", "config") if k not in ckpt]
+        if missing:
+            raise CheckpointError(f"{path}: holds weights only (no {', '.join(missing)}); resuming needs a last.pt")
+        _check_unchanged(ckpt["config"], self.cfg, path)
         ckpt_io.check_compatible(ckpt, path, self.vocab, self.model)
         self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.scaler.load_state_dict(ckpt["scaler"])
-        _set_rng_state(ckpt["rng"])
-        self.state = TrainState(**ckpt["state"])
+        try:
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+            self.scaler.load_state_dict(ckpt["scaler"])
+            _set_rng_state(ckpt["rng"])
+            self.state = TrainState(**ckpt["state"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(
+                f"{path}: cannot restore the training state ({e.__class__.__name__}: {str(e)[:100]})"
+            ) from None
+        self.saved_step = self.state.step
+        self._trim_metrics()
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)", path, self.state.step, self.state.epoch, self.state.batch
         )
+
+    def _trim_metrics(self) -> None:
+        """Drop metrics logged after the restored step (they will be logged again) and torn lines."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        kept = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= self.state.step:
+                kept.append(line + "\n")
+        ckpt_io.atomic_write_text(path, "".join(kept))
 
     def _save_step_and_best(self, bleu: float) -> None:
         ckpts = ckpt_io.checkpoint_dir(self.run_dir)
@@ -322,11 +415,17 @@ class Trainer:
         return {"val_loss": loss_sum / n_tokens, "val_bleu": scores.bleu, "val_chrf": scores.chrf}
 
     # -- the loop ----------------------------------------------------------------------------
-    def fit(self) -> TrainState:
+    def fit(self, stop: StopRequest | None = None) -> TrainState:
+        """Train to train.max_steps (or max_epochs, patience); a stop signal saves last.pt and raises Interrupted."""
         from tqdm import tqdm
 
+        if stop is None:
+            with StopRequest() as own:
+                return self.fit(own)
         tc = self.cfg.train
         st = self.state
+        if not self.resumed:
+            self.save()  # from here on the run can always be resumed
         pad = padding_fraction(
             self.train_ids, plan_batches(self.train_ids.src_lens, self.train_ids.tgt_lens, tc.batch_tokens)
         )
@@ -346,63 +445,65 @@ class Trainer:
         last_time = time.perf_counter()
         stop_reason = f"reached train.max_steps={tc.max_steps}"
         try:
-            with StopRequest() as stop:
-                groups = self._micro_batches()
-                while st.step < tc.max_steps:
-                    group = next(groups, None)
-                    if group is None:
-                        stop_reason = f"reached train.max_epochs={tc.max_epochs}"
-                        break
-                    loss, applied = self.train_step(group)
-                    now = time.perf_counter()
-                    st.elapsed += now - last_time
-                    last_time = now
-                    if not applied:
-                        st.skipped_steps += 1
-                        st.bad_steps_in_row += 1
-                        log.warning("non-finite loss or gradient at step %d: update skipped", st.step + 1)
-                        if st.bad_steps_in_row >= tc.max_bad_steps:
-                            raise MtxError(
-                                f"{tc.max_bad_steps} non-finite steps in a row at step {st.step}; "
-                                "lower train.lr or use train.amp=fp32 (last good checkpoint kept)"
-                            )
-                        continue
-                    st.bad_steps_in_row = 0
-                    st.step += 1
-                    tokens = sum(b.n_tgt_tokens for b in group)
-                    window_tokens += tokens
-                    window_loss += loss
-                    window_steps += 1
-                    bar.update(1)
-                    if st.step % tc.log_every == 0 or st.step == tc.max_steps:
-                        seconds = time.perf_counter() - window_start
-                        record = {
-                            "event": "train",
-                            "step": st.step,
-                            "epoch": st.epoch,
-                            "loss": window_loss / window_steps,
-                            "lr": self.optimizer.param_groups[0]["lr"],
-                            "tgt_tok_per_s": window_tokens / seconds,
-                            "elapsed_s": st.elapsed,
-                        }
-                        bar.set_postfix(
-                            loss=f"{record['loss']:.3f}",
-                            lr=f"{record['lr']:.2e}",
-                            tok_s=f"{record['tgt_tok_per_s']:.0f}",
+            groups = self._micro_batches()
+            while st.step < tc.max_steps:
+                if stop.signal is not None:
+                    self.save()
+                    raise Interrupted(
+                        f"training stopped by {signal.Signals(stop.signal).name} at step {st.step}; "
+                        f"checkpoint saved. Resume with: mtx train --run-dir {self.run_dir} --resume",
+                        stop.signal,
+                    )
+                group = next(groups, None)
+                if group is None:
+                    stop_reason = f"reached train.max_epochs={tc.max_epochs}"
+                    break
+                loss, applied = self.train_step(group)
+                now = time.perf_counter()
+                st.elapsed += now - last_time
+                last_time = now
+                if not applied:
+                    st.skipped_steps += 1
+                    st.bad_steps_in_row += 1
+                    log.warning("non-finite loss or gradient after step %d: update skipped", st.step)
+                    if st.bad_steps_in_row >= tc.max_bad_steps:
+                        raise MtxError(
+                            f"{st.bad_steps_in_row} non-finite steps in a row after step {st.step} "
+                            f"(train.max_bad_steps); training stopped, checkpoints/last.pt from step "
+                            f"{self.saved_step} kept; lower train.lr or use train.amp=fp32"
                         )
-                        metrics.write(json.dumps(record) + "\n")
-                        metrics.flush()
-                        window_tokens, window_loss, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
-                    at_eval = st.step % tc.eval_every == 0 or st.step == tc.max_steps
-                    if at_eval and self._evaluate(metrics):
-                        stop_reason = f"no val BLEU gain in {tc.patience} evaluations (train.patience)"
-                        break
-                    if stop.signal is not None:
-                        self.save()
-                        raise Interrupted(
-                            f"stopped at step {st.step}; checkpoint saved. Resume with: "
-                            f"mtx train --run-dir {self.run_dir} --resume"
-                        )
+                    continue
+                st.bad_steps_in_row = 0
+                st.step += 1
+                tokens = sum(b.n_tgt_tokens for b in group)
+                window_tokens += tokens
+                window_loss += loss
+                window_steps += 1
+                bar.update(1)
+                if st.step % tc.log_every == 0 or st.step == tc.max_steps:
+                    seconds = time.perf_counter() - window_start
+                    record = {
+                        "event": "train",
+                        "step": st.step,
+                        "epoch": st.epoch,
+                        "loss": window_loss / window_steps,
+                        "lr": self.optimizer.param_groups[0]["lr"],
+                        "tgt_tok_per_s": window_tokens / seconds,
+                        "elapsed_s": st.elapsed,
+                        "skipped_steps": st.skipped_steps,
+                    }
+                    bar.set_postfix(
+                        loss=f"{record['loss']:.3f}",
+                        lr=f"{record['lr']:.2e}",
+                        tok_s=f"{record['tgt_tok_per_s']:.0f}",
+                    )
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+                    window_tokens, window_loss, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
+                at_eval = st.step % tc.eval_every == 0 or st.step == tc.max_steps
+                if at_eval and self._evaluate(metrics):
+                    stop_reason = f"no val BLEU gain in {tc.patience} evaluations (train.patience)"
+                    break
         finally:
             bar.close()
             metrics.close()
@@ -437,36 +538,49 @@ class Trainer:
         return bool(self.cfg.train.patience) and st.evals_without_gain >= self.cfg.train.patience
 
 
-class Interrupted(MtxError):
-    """Training stopped by a signal after saving a checkpoint."""
+def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
+    """Refuse to overwrite another run, or to resume one that has no last.pt; writes nothing.
 
-    exit_code = 130
-
-
-def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
-    """Refuse to overwrite another run; write the resolved config of a new one.
-
-    A directory with no checkpoints and the same config (a start that failed early) is reused."""
+    A directory with no checkpoint and the same config (a start that failed or was killed before
+    its first save) may be reused."""
     config_path = run_dir / ckpt_io.CONFIG_FILE
     if resume:
         if not (ckpt_io.checkpoint_dir(run_dir) / "last.pt").is_file():
-            raise MtxError(f"{run_dir}: nothing to resume (no checkpoints/last.pt); drop --resume to start a new run")
-        save_config(cfg, config_path)  # records --set changes made on resume
+            raise MtxError(
+                f"{run_dir}: nothing to resume (no checkpoints/last.pt); start it again with: "
+                f"mtx train --config {config_path} --run-dir {run_dir}"
+            )
         return
     if run_dir.exists() and not run_dir.is_dir():
         raise MtxError(f"{run_dir}: exists and is not a directory; choose another --run-dir")
     if run_dir.exists() and any(run_dir.iterdir()):
         same_start = (
-            not ckpt_io.checkpoint_dir(run_dir).exists()
+            not any(ckpt_io.checkpoint_dir(run_dir).glob("*.pt"))
             and config_path.is_file()
-            and config_path.read_text(encoding="utf-8") == yaml.safe_dump(to_dict(cfg), sort_keys=False)
+            and config_path.read_text(encoding="utf-8") == config_text(cfg)
         )
         if not same_start:
             raise MtxError(
                 f"{run_dir}: run directory already holds a run; continue it with --resume or choose a new --run-dir"
             )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, config_path)
+
+
+def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
+    """Check the run directory; for a new run, create it and write the resolved config.
+
+    On resume nothing is written here: `fit` records the config only once the checkpoint has
+    been restored, so a failed resume changes nothing."""
+    check_run_dir(run_dir, cfg, resume)
+    if not resume:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for path in set(tokenizer_paths(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)):
+            path.unlink(missing_ok=True)  # a failed start's tokenizer may be torn: train it again
+        ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
+
+
+def config_text(cfg: Config) -> str:
+    """The YAML a run records as its config.yaml (as `save_config` writes it)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
 def resolve_config(cfg: Config) -> Config:
@@ -474,16 +588,45 @@ def resolve_config(cfg: Config) -> Config:
     return replace(cfg, data=replace(cfg.data, dir=str(resolve_data_dir(cfg.data))))
 
 
+_FIXED_ON_RESUME = {  # keys that the tokenizer or the weights depend on
+    "tokenizer": tuple(to_dict(Config())["tokenizer"]),
+    "model": tuple(k for k in to_dict(Config())["model"] if "dropout" not in k),
+    "data": ("src_lang", "tgt_lang"),
+}
+
+
+def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path) -> None:
+    """On resume, refuse --set changes to keys the weights or tokenizer depend on."""
+    now = to_dict(cfg)
+    for section, keys in _FIXED_ON_RESUME.items():
+        for key in keys:
+            old, new = saved.get(section, {}).get(key), now[section][key]
+            if old is not None and old != new:
+                raise CheckpointError(
+                    f"{path}: --resume cannot change {section}.{key} (the run was trained with {old!r}, "
+                    f"now {new!r}); start a new run for that"
+                )
+
+
 def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
-    """Train the config into `run_dir` (resuming from its last.pt when asked)."""
+    """Train the config into `run_dir` (resuming from its last.pt when asked).
+
+    The run directory, device, precision and data are checked before anything is written."""
     if not resume:
         cfg = resolve_config(cfg)
+    check_run_dir(run_dir, cfg, resume)
+    amp_dtype(pick_device(cfg.train.device), cfg.train.amp)
+    corpus = load_corpus(resolve_data_dir(cfg.data), cfg.data, [cfg.data.train_split, cfg.data.valid_split])
     prepare_run_dir(run_dir, cfg, resume)
-    handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+    handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8", delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     logging.getLogger().addHandler(handler)
     try:
-        return Trainer(cfg, run_dir, resume).fit()
+        with StopRequest() as stop:
+            trainer = Trainer(cfg, run_dir, resume, corpus)
+            if resume:  # record --set changes, now that the checkpoint has been restored
+                ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
+            return trainer.fit(stop)
     finally:
         logging.getLogger().removeHandler(handler)
         handler.close()

@@ -1,0 +1,127 @@
+"""Decoding speed on test_2016_flickr: greedy and beam 5, with and without the KV cache.
+
+All four settings decode the same sentences in the same batches, timed alternately per batch
+(A B C D A B C D ...) so that machine noise hits them alike. Without `--run`, a run is trained
+first (tiny config unless `--config` is given; `--set` overrides apply to it). The last line
+is JSON for scripts.
+
+    python scripts/bench_decode.py [--run runs/NAME] [--config FILE] [--set KEY=VALUE ...]
+        [--threads 2] [--batch-sentences 64] [--sentences 1000] [--no-length-cap]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mtx.checkpoint import load_run  # noqa: E402
+from mtx.cli import main as mtx_main  # noqa: E402
+from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
+from mtx.search import beam_search, greedy_search  # noqa: E402
+from mtx.tokenizer import EOS  # noqa: E402
+
+SETTINGS = {
+    "greedy, cache": (1, True),
+    "greedy, no cache": (1, False),
+    "beam 5, cache": (5, True),
+    "beam 5, no cache": (5, False),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", type=Path, help="trained run directory (default: train one)")
+    parser.add_argument("--config", default="configs/tiny.yaml", help="config to train when --run is not given")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--split", default="test_2016_flickr")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch-sentences", type=int, default=64)
+    parser.add_argument("--sentences", type=int, default=0, help="first N sentences only (0: all)")
+    parser.add_argument("--no-length-cap", action="store_true", help="max output length 1.5*src+10 (a=1.5)")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    run_dir = args.run
+    if run_dir is None:
+        run_dir = Path("runs") / f"bench_decode_{Path(args.config).stem}"
+        if not (run_dir / "checkpoints" / "best.pt").is_file():
+            train_args = ["train", "--config", args.config, "--run-dir", str(run_dir)]
+            for override in args.overrides:
+                train_args += ["--set", override]
+            if mtx_main(train_args) != 0:
+                raise SystemExit("training the benchmark run failed")
+    run = load_run(run_dir)
+    cfg = run.cfg
+    src, _ = read_parallel(
+        split_file(Path(cfg.data.dir), args.split, cfg.data.src_lang),
+        split_file(Path(cfg.data.dir), args.split, cfg.data.tgt_lang),
+    )
+    if args.sentences:
+        src = src[: args.sentences]
+    ids = run.src_tok.encode_batch(src)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    batches = [
+        pad_ids([ids[i] for i in order[j : j + args.batch_sentences]], suffix=EOS)
+        for j in range(0, len(order), args.batch_sentences)
+    ]
+    a = 1.5 if args.no_length_cap else cfg.decode.max_len_a
+    b = cfg.decode.max_len_b
+    alpha = cfg.decode.length_penalty
+
+    def decode(batch: torch.Tensor, beam: int, cache: bool) -> list[list[int]]:
+        if beam == 1:
+            return [h.tokens for h in greedy_search(run.model, batch, a, b, use_cache=cache)]
+        return [h[0].tokens for h in beam_search(run.model, batch, beam, alpha, a, b, use_cache=cache)]
+
+    decode(batches[0], 5, True)  # warm up
+    seconds = dict.fromkeys(SETTINGS, 0.0)
+    out_tokens = dict.fromkeys(SETTINGS, 0)
+    outputs: dict[str, list[list[int]]] = {name: [] for name in SETTINGS}
+    for batch in batches:
+        for name, (beam, cache) in SETTINGS.items():
+            start = time.perf_counter()
+            hyps = decode(batch, beam, cache)
+            seconds[name] += time.perf_counter() - start
+            out_tokens[name] += sum(len(h) + 1 for h in hyps)  # + EOS
+            outputs[name] += hyps
+
+    n = len(src)
+    print(f"{run_dir}: {cfg.model.d_model}d {cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers} layers, ", end="")
+    print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences), {args.threads} threads, ", end="")
+    print(f"batches of {args.batch_sentences} sentences, max length {a}*src+{b}")
+    print(f"{'setting':18s} {'sent/s':>8s} {'out tok/s':>10s} {'mean len':>9s} {'seconds':>8s}")
+    for name in SETTINGS:
+        print(
+            f"{name:18s} {n / seconds[name]:8.1f} {out_tokens[name] / seconds[name]:10.0f} "
+            f"{out_tokens[name] / n:9.2f} {seconds[name]:8.2f}"
+        )
+    same = {
+        "greedy": outputs["greedy, cache"] == outputs["greedy, no cache"],
+        "beam5": outputs["beam 5, cache"] == outputs["beam 5, no cache"],
+    }
+    print(f"cached == uncached outputs: greedy {same['greedy']}, beam 5 {same['beam5']}")
+    print(
+        json.dumps(
+            {
+                "greedy_sent_per_s": round(n / seconds["greedy, cache"], 2),
+                "beam5_sent_per_s": round(n / seconds["beam 5, cache"], 2),
+                "greedy_tok_per_s": round(out_tokens["greedy, cache"] / seconds["greedy, cache"], 1),
+                "beam5_tok_per_s": round(out_tokens["beam 5, cache"] / seconds["beam 5, cache"], 1),
+                "beam5_cache_speedup": round(seconds["beam 5, no cache"] / seconds["beam 5, cache"], 3),
+                "greedy_cache_speedup": round(seconds["greedy, no cache"] / seconds["greedy, cache"], 3),
+                "beam5_slowdown_vs_greedy": round(seconds["beam 5, cache"] / seconds["greedy, cache"], 3),
+                "cached_equals_uncached": same,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Training throughput: mtx vs a plain `torch.nn.Transformer` of identical size, side by side.
+
+Both models see the same real Multi30k batches from mtx's batcher, the same tied embeddings,
+sinusoidal positions and Adam; settings are timed alternately (A B C A B C ...) so that machine
+noise hits all of them alike. The last line is JSON for scripts.
+
+    python scripts/bench_train.py [--config configs/multi30k_de_en.yaml] [--set KEY=VALUE ...]
+        [--steps 12] [--warmup 3] [--threads 2] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mtx.config import Config, ModelConfig, load_config  # noqa: E402
+from mtx.data import Batch, ParallelIds, load_corpus, padding_fraction, plan_batches, resolve_data_dir, texts  # noqa: E402
+from mtx.model import Seq2Seq, sinusoidal_positions  # noqa: E402
+from mtx.tokenizer import PAD, train_bpe  # noqa: E402
+from mtx.train import autocast, label_smoothed_loss, make_optimizer  # noqa: E402
+
+
+class ReferenceTransformer(nn.Module):
+    """The plain PyTorch way: nn.Transformer, dense float causal mask, full padded logits."""
+
+    def __init__(self, cfg: ModelConfig, vocab: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, cfg.d_model, padding_idx=PAD)
+        nn.init.normal_(self.embed.weight, std=cfg.d_model**-0.5)
+        self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model), persistent=False)
+        self.scale = math.sqrt(cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.transformer = nn.Transformer(
+            d_model=cfg.d_model,
+            nhead=cfg.n_heads,
+            num_encoder_layers=cfg.n_encoder_layers,
+            num_decoder_layers=cfg.n_decoder_layers,
+            dim_feedforward=cfg.d_ff,
+            dropout=cfg.dropout,
+            batch_first=True,
+            norm_first=cfg.pre_norm,
+        )
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.embed(ids) * self.scale + self.positions[: ids.shape[1]])
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.shape[1], device=src.device)
+        out = self.transformer(
+            self._embed(src),
+            self._embed(tgt_in),
+            tgt_mask=causal,
+            src_key_padding_mask=src == PAD,
+            tgt_key_padding_mask=tgt_in == PAD,
+            memory_key_padding_mask=src == PAD,
+        )
+        return F.linear(out, self.embed.weight)
+
+
+def matmul_flops(cfg: ModelConfig, batch: Batch, vocab: int) -> float:
+    """Matrix-multiply FLOPs of one training step (forward x 3), from the shapes."""
+    d, f = cfg.d_model, cfg.d_ff
+    b, s = batch.src.shape
+    t = batch.tgt_in.shape[1]
+    enc = cfg.n_encoder_layers * (b * s * (4 * d * d + 2 * d * f) + 2 * b * s * s * d)
+    dec = cfg.n_decoder_layers * (
+        b * t * (4 * d * d + 2 * d * d + 2 * d * f) + b * s * 2 * d * d + 2 * b * t * t * d + 2 * b * t * s * d
+    )
+    out = batch.n_tgt_tokens * d * vocab
+    return 3 * 2 * (enc + dec + out)
+
+
+def matmul_peak(dtype: torch.dtype, tokens: int, d: int, f: int) -> float:
+    """Best measured GFLOP/s of the step's typical GEMM shapes in `dtype`."""
+    best = 0.0
+    for m, k, n in ((tokens, d, f), (tokens, f, d), (tokens, d, 3 * d)):
+        a, w = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        for _ in range(2):
+            a @ w
+        start = time.perf_counter()
+        for _ in range(5):
+            a @ w
+        best = max(best, 5 * 2 * m * k * n / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def make_step(model: nn.Module, cfg: Config, amp: torch.dtype | None, reference: bool) -> Callable[[Batch], None]:
+    device = torch.device("cpu")
+    if reference:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    else:
+        optimizer = make_optimizer(model, cfg.train, device)
+    smoothing = cfg.train.label_smoothing
+
+    def step(batch: Batch) -> None:
+        model.train()
+        with autocast(device, amp):
+            if reference:
+                logits = model(batch.src, batch.tgt_in)
+                loss = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]).float(),
+                    batch.tgt_out.reshape(-1),
+                    ignore_index=PAD,
+                    label_smoothing=smoothing,
+                    reduction="sum",
+                )
+            else:
+                loss = label_smoothed_loss(model, batch, smoothing)
+        (loss / batch.n_tgt_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=not reference)
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/multi30k_de_en.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per setting")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per setting")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="also time mtx under torch.compile")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, args.overrides)
+    data_dir = resolve_data_dir(cfg.data)
+    src, tgt = texts(load_corpus(data_dir, cfg.data, [cfg.data.train_split])[cfg.data.train_split])
+    tok = train_bpe(src + tgt, cfg.tokenizer)
+    ids = ParallelIds.encode(src, tgt, tok, tok, cfg.data.max_len)
+    plan = plan_batches(ids.src_lens, ids.tgt_lens, cfg.train.batch_tokens, seed=cfg.train.seed)
+    batches = [ids.batch(p) for p in plan[: args.warmup + args.steps]]
+    vocab = tok.vocab_size
+
+    torch.manual_seed(cfg.train.seed)
+    settings: dict[str, tuple[nn.Module, torch.dtype | None, bool]] = {
+        "reference fp32 (nn.Transformer)": (ReferenceTransformer(cfg.model, vocab), None, True),
+        "mtx fp32": (Seq2Seq(cfg.model, vocab, vocab, joint_vocab=True), None, False),
+        "mtx bf16 autocast": (Seq2Seq(cfg.model, vocab, vocab, joint_vocab=True), torch.bfloat16, False),
+    }
+    compile_seconds = None
+    if args.compile or cfg.train.compile:
+        model = Seq2Seq(cfg.model, vocab, vocab, joint_vocab=True)
+        settings["mtx bf16 + torch.compile"] = (torch.compile(model, dynamic=True), torch.bfloat16, False)
+    steps = {name: make_step(m, cfg, amp, ref) for name, (m, amp, ref) in settings.items()}
+
+    for name, step in steps.items():
+        start = time.perf_counter()
+        for batch in batches[: args.warmup]:
+            step(batch)
+        if "compile" in name:
+            compile_seconds = time.perf_counter() - start
+    seconds = dict.fromkeys(steps, 0.0)
+    for batch in batches[args.warmup :]:
+        for name, step in steps.items():  # alternate settings on every batch
+            start = time.perf_counter()
+            step(batch)
+            seconds[name] += time.perf_counter() - start
+
+    timed = batches[args.warmup :]
+    tgt_tokens = sum(b.n_tgt_tokens for b in timed)
+    all_tokens = tgt_tokens + sum(b.n_src_tokens for b in timed)
+    flops = sum(matmul_flops(cfg.model, b, vocab) for b in timed)
+    tokens_per_batch = int(sum(b.tgt_out.numel() for b in timed) / len(timed))
+    peaks = {
+        dt: matmul_peak(dt, tokens_per_batch, cfg.model.d_model, cfg.model.d_ff)
+        for dt in (torch.float32, torch.bfloat16)
+    }
+    pad = padding_fraction(ids, plan)
+
+    print(
+        f"{len(timed)} timed steps per setting, {args.threads} threads, "
+        f"{tgt_tokens / len(timed):.0f} target tokens/batch"
+    )
+    print(
+        f"matmul peak measured here: fp32 {peaks[torch.float32]:.0f} GFLOP/s, bf16 {peaks[torch.bfloat16]:.0f} GFLOP/s"
+    )
+    print(f"{'setting':34s} {'tgt tok/s':>10s} {'src+tgt tok/s':>14s} {'GFLOP/s':>8s} {'of peak':>8s} {'vs ref':>7s}")
+    ref_name = next(iter(steps))
+    rates = {name: tgt_tokens / s for name, s in seconds.items()}
+    for name, s in seconds.items():
+        amp = settings[name][1]
+        gflops = flops / s / 1e9
+        peak = peaks[amp or torch.float32]
+        print(
+            f"{name:34s} {rates[name]:10.0f} {all_tokens / s:14.0f} {gflops:8.0f} {gflops / peak:8.0%} "
+            f"{rates[name] / rates[ref_name]:6.2f}x"
+        )
+    if compile_seconds is not None:
+        print(f"torch.compile warmup (compile + {args.warmup} steps): {compile_seconds:.1f} s")
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"peak RSS of this process (all models together): {peak_rss:.2f} GiB; padding {pad:.1%}")
+    best = max((n for n in rates if n != ref_name), key=rates.get)
+    print(
+        json.dumps(
+            {
+                "speedup_vs_reference": round(rates[best] / rates[ref_name], 3),
+                "best_setting": best,
+                "mtx_tgt_tok_per_s": round(rates[best], 1),
+                "reference_tgt_tok_per_s": round(rates[ref_name], 1),
+                "mtx_fp32_tgt_tok_per_s": round(rates["mtx fp32"], 1),
+                "padding_fraction": round(pad, 4),
+                "peak_rss_gib": round(peak_rss, 3),
+                "compile_seconds": None if compile_seconds is None else round(compile_seconds, 1),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

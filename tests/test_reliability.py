@@ -1,0 +1,526 @@
+"""Nothing lost, nothing executed: exact resume, stop signals, kill -9, safe loads, clear errors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtx import train as train_module
+from mtx.checkpoint import FORMAT_VERSION, load_checkpoint
+from mtx.cli import main
+from mtx.config import TokenizerConfig
+from mtx.tokenizer import train_bpe
+
+from .conftest import REPO, tiny_args
+from .test_cli import assert_one_line_error, mtx
+
+
+@pytest.fixture(scope="module")
+def mini_data(tmp_path_factory: pytest.TempPathFactory, small_data: Path) -> Path:
+    """400 train pairs: about 9 batches an epoch at the tiny config's batch_tokens."""
+    out = tmp_path_factory.mktemp("multi30k_mini")
+    for split, n in (("train", 400), ("val", 30), ("test_2016_flickr", 30)):
+        for lang in ("de", "en"):
+            lines = (small_data / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(keepends=True)
+            (out / f"{split}.{lang}").write_text("".join(lines[:n]), encoding="utf-8")
+    return out
+
+
+def mini_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
+    return tiny_args(data_dir, run_dir, "--set", "train.eval_sentences=10", "--set", "train.log_every=1", *extra)
+
+
+def load_weights_only(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def snapshot(*roots: Path) -> dict[str, str]:
+    """Path -> content hash of every file under the roots."""
+    return {
+        str(p): hashlib.sha256(p.read_bytes()).hexdigest() for root in roots for p in root.rglob("*") if p.is_file()
+    }
+
+
+def copy_run(src: Path, dest: Path, checkpoints: tuple[str, ...] = ("last.pt",)) -> Path:
+    """A copy of a run directory with only the given checkpoints (so tests can damage it)."""
+    (dest / "checkpoints").mkdir(parents=True)
+    for name in ("config.yaml", "tokenizer.json"):
+        shutil.copy(src / name, dest / name)
+    for name in checkpoints:
+        shutil.copy(src / "checkpoints" / name, dest / "checkpoints" / name)
+    return dest
+
+
+def train_lines(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return sum(1 for line in path.read_text().split("\n")[:-1] if '"event": "train"' in line)
+
+
+def start(stderr: Path, *args: str) -> subprocess.Popen[bytes]:
+    """`python -m mtx ARGS` in the background, stderr to a file (a full pipe would stall it)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    with open(stderr, "ab") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "mtx", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err
+        )
+
+
+def wait_for(
+    condition: Callable[[], bool], proc: subprocess.Popen[bytes], poll: float = 0.05, timeout: float = 120.0
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited early with {proc.returncode}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("timed out waiting for training progress")
+        time.sleep(poll)
+
+
+# -- exact resume ------------------------------------------------------------------------------
+def test_resume_is_bit_identical_across_epoch_boundaries(tmp_path: Path, mini_data: Path) -> None:
+    common = ("--set", "train.eval_every=10", "--set", "train.keep_last=2")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(mini_args(mini_data, straight, *common, "--set", "train.max_steps=40")) == 0
+    assert main(mini_args(mini_data, split, *common, "--set", "train.max_steps=20")) == 0
+    middle = load_weights_only(split / "checkpoints" / "last.pt")["state"]
+    assert main(["train", "--run-dir", str(split), "--resume", "--set", "train.max_steps=40"]) == 0
+
+    a = load_weights_only(straight / "checkpoints" / "last.pt")
+    b = load_weights_only(split / "checkpoints" / "last.pt")
+    # the resume point is inside an epoch and the second half crosses epoch boundaries
+    assert middle["step"] == 20 and middle["epoch"] >= 1 and middle["batch"] > 0
+    assert a["state"]["epoch"] > middle["epoch"]
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    for k, state in a["optimizer"]["state"].items():
+        assert all(torch.equal(v, b["optimizer"]["state"][k][name]) for name, v in state.items())
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["rng"]["python"] == b["rng"]["python"]
+    assert {k: v for k, v in a["state"].items() if k != "elapsed"} == {
+        k: v for k, v in b["state"].items() if k != "elapsed"
+    }
+
+    # the checkpoints: last, best, the last train.keep_last step files, weights-only loadable
+    # with version, config and vocabulary fingerprint, each identical in both runs
+    names = sorted(p.name for p in (split / "checkpoints").iterdir())
+    assert names == ["best.pt", "last.pt", "step_30.pt", "step_40.pt"]
+    assert names == sorted(p.name for p in (straight / "checkpoints").iterdir())
+    for name in names:
+        ckpt = load_weights_only(split / "checkpoints" / name)
+        assert ckpt["format_version"] == FORMAT_VERSION and ckpt["vocab"] == a["vocab"]
+        assert ckpt["config"]["model"]["d_model"] == 64
+        other = load_weights_only(straight / "checkpoints" / name)
+        assert all(torch.equal(ckpt["model"][k], other["model"][k]) for k in other["model"])
+    # after resume the metrics log continues without gaps or duplicates
+    events = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "train"] == list(range(1, 41))
+    assert [e["step"] for e in events if e["event"] == "valid"] == [10, 20, 30, 40]
+
+
+# -- stop signals and kill -9 -------------------------------------------------------------------
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_stop_signal_saves_and_tells_how_to_resume(tmp_path: Path, mini_data: Path, sig: signal.Signals) -> None:
+    run_dir = tmp_path / "run"
+    args = mini_args(mini_data, run_dir, "--set", "train.max_steps=100000", "--set", "train.eval_every=1000")
+    proc = start(tmp_path / "stderr", *args)
+    wait_for(lambda: train_lines(run_dir) >= 3, proc)
+    proc.send_signal(sig)
+    proc.wait(timeout=120)
+    err_text = (tmp_path / "stderr").read_text()
+    assert proc.returncode == 128 + sig, err_text
+    assert "Traceback" not in err_text
+    step = load_weights_only(run_dir / "checkpoints" / "last.pt")["step"]
+    assert step >= 3
+    assert err_text.rstrip().splitlines()[-1] == (
+        f"mtx: training stopped by {sig.name} at step {step}; checkpoint saved. "
+        f"Resume with: mtx train --run-dir {run_dir} --resume"
+    )
+    assert main(["train", "--run-dir", str(run_dir), "--resume", "--set", f"train.max_steps={step + 3}"]) == 0
+    assert load_weights_only(run_dir / "checkpoints" / "last.pt")["step"] == step + 3
+
+
+def test_kill_9_never_leaves_a_torn_checkpoint(tmp_path: Path, mini_data: Path) -> None:
+    """SIGKILL while last.pt or a step checkpoint is being written, and between saves."""
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    args = mini_args(
+        mini_data,
+        run_dir,
+        "--set",
+        "train.max_steps=100000",
+        "--set",
+        "train.eval_every=1",
+        "--set",
+        "train.keep_last=2",
+    )
+
+    def saving(prefix: str) -> Callable[[], bool]:
+        return lambda: ckpts.is_dir() and any(n.startswith(prefix) for n in os.listdir(ckpts))
+
+    killed_mid_save = 0
+    moments = [".last.pt.tmp.", ".step_", None]  # kill while this file is being written; None: any time
+    for i, prefix in enumerate(moments):
+        resume = ["train", "--run-dir", str(run_dir), "--resume"]
+        proc = start(tmp_path / "stderr", *(resume if i else args))
+        done = train_lines(run_dir)
+        wait_for(lambda: train_lines(run_dir) >= done + 2, proc)  # noqa: B023 - evaluated in this iteration
+        if prefix:
+            wait_for(saving(prefix), proc, poll=0.0002)
+        proc.kill()
+        proc.wait(timeout=60)
+        leftovers = [p for p in ckpts.iterdir() if ".tmp." in p.name]
+        killed_mid_save += bool(leftovers)
+        for path in ckpts.glob("*.pt"):
+            assert "model" in load_weights_only(path), path
+            load_checkpoint(path)  # complete archive, CRC checked
+    assert killed_mid_save >= 1  # the cleanup of a torn temporary file was exercised
+
+    step = load_weights_only(ckpts / "last.pt")["step"]
+    assert main(["train", "--run-dir", str(run_dir), "--resume", "--set", f"train.max_steps={step + 2}"]) == 0
+    assert load_weights_only(ckpts / "last.pt")["step"] == step + 2
+    assert not [p for p in ckpts.iterdir() if ".tmp." in p.name]
+
+
+# -- non-finite steps ----------------------------------------------------------------------------
+def poison_loss(monkeypatch: pytest.MonkeyPatch, bad_calls: Callable[[int], bool]) -> None:
+    """Make the training loss NaN on the chosen (1-based) training forward passes."""
+    real = train_module.label_smoothed_loss
+    calls = [0]
+
+    def loss(model: torch.nn.Module, batch: object, smoothing: float) -> torch.Tensor:
+        value = real(model, batch, smoothing)
+        if model.training:
+            calls[0] += 1
+            if bad_calls(calls[0]):
+                return value * float("nan")
+        return value
+
+    monkeypatch.setattr(train_module, "label_smoothed_loss", loss)
+
+
+def test_isolated_non_finite_steps_are_skipped_and_counted(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    poison_loss(monkeypatch, lambda n: n in (5, 6))
+    run_dir = tmp_path / "run"
+    assert main(mini_args(mini_data, run_dir, "--set", "train.max_steps=12", "--set", "train.max_bad_steps=3")) == 0
+    ckpt = load_weights_only(run_dir / "checkpoints" / "last.pt")
+    assert ckpt["state"]["step"] == 12 and ckpt["state"]["skipped_steps"] == 2
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values())
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["skipped_steps"] for e in events if e["event"] == "train"][-1] == 2
+
+
+def test_diverging_training_stops_and_keeps_the_last_good_checkpoint(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    poison_loss(monkeypatch, lambda n: n > 12)
+    run_dir = tmp_path / "run"
+    args = mini_args(mini_data, run_dir, "--set", "train.max_steps=30", "--set", "train.eval_every=10")
+    assert main([*args, "--set", "train.max_bad_steps=3"]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("mtx: error:")]
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert "3 non-finite steps in a row after step 12 (train.max_bad_steps)" in lines[0]
+    assert "last.pt from step 10 kept" in lines[0] and "train.lr" in lines[0]
+    last = load_weights_only(run_dir / "checkpoints" / "last.pt")
+    step_10 = load_weights_only(run_dir / "checkpoints" / "step_10.pt")
+    assert last["step"] == 10 and last["state"]["skipped_steps"] == 0
+    assert all(torch.equal(last["model"][k], step_10["model"][k]) for k in last["model"])
+    assert all(torch.isfinite(v).all() for v in last["model"].values())
+
+
+# -- nothing executed ----------------------------------------------------------------------------
+class _RunsCode:
+    """Unpickling this calls os.system: what a weights-only load must refuse."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_malicious_checkpoints_are_refused_without_running_code(tmp_path: Path, tiny_run: Path) -> None:
+    marker = tmp_path / "pwned"
+    good = load_weights_only(tiny_run / "checkpoints" / "last.pt")
+    zip_evil = tmp_path / "evil.pt"
+    torch.save({**good, "extra": _RunsCode(marker)}, zip_evil)
+    raw_evil = tmp_path / "evil_raw.pt"
+    raw_evil.write_bytes(pickle.dumps({"format_version": FORMAT_VERSION, "model": _RunsCode(marker)}, protocol=2))
+
+    r = mtx("translate", "--run", str(tiny_run), "--checkpoint", str(zip_evil), "Ein Hund.")
+    assert_one_line_error(r, "evil.pt", "refused to load", "posix.system")
+    r = mtx("translate", "--run", str(tiny_run), "--checkpoint", str(raw_evil), "Ein Hund.")
+    assert_one_line_error(r, "evil_raw.pt", "refused to load")
+    run_copy = copy_run(tiny_run, tmp_path / "run")
+    shutil.copy(zip_evil, run_copy / "checkpoints" / "last.pt")
+    before = snapshot(run_copy)
+    assert_one_line_error(mtx("train", "--run-dir", str(run_copy), "--resume"), "refused to load")
+    assert snapshot(run_copy) == before
+    assert not marker.exists()
+
+    torch.load(zip_evil, weights_only=False)  # proof that the payload is live: an unsafe load runs it
+    assert marker.exists()
+
+
+def test_yaml_tags_that_would_run_code_are_rejected(tmp_path: Path, small_data: Path) -> None:
+    marker = tmp_path / "pwned"
+    config = tmp_path / "evil.yaml"
+    config.write_text(f'train:\n  max_steps: !!python/object/apply:os.system ["touch {marker}"]\n')
+    assert_one_line_error(mtx("train", "--config", str(config)), "evil.yaml", "python/object/apply:os.system")
+    r = mtx(
+        *tiny_args(
+            small_data, tmp_path / "r", "--set", f'train.max_steps=!!python/object/apply:os.system ["touch {marker}"]'
+        )
+    )
+    assert_one_line_error(r, "train.max_steps must be an integer")
+    assert not marker.exists() and not (tmp_path / "r").exists()
+
+
+# -- an existing run is never overwritten ---------------------------------------------------------
+def test_existing_run_is_not_overwritten(tiny_run: Path, small_data: Path) -> None:
+    before = snapshot(tiny_run)
+    assert_one_line_error(mtx(*tiny_args(small_data, tiny_run)), "already holds a run", "--resume")
+    assert snapshot(tiny_run) == before
+
+
+# -- bad input catalogue, through the CLI ---------------------------------------------------------
+def _data_copy(small_data: Path, dest: Path, edit: Callable[[Path], None]) -> Path:
+    shutil.copytree(small_data, dest)
+    edit(dest)
+    return dest
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _other_tokenizer(run: Path, small_data: Path) -> None:
+    lines = (small_data / "val.en").read_text(encoding="utf-8").splitlines()
+    train_bpe([line[::-1] for line in lines], TokenizerConfig(vocab_size=1000)).save(run / "tokenizer.json")
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+
+
+def _write(path: Path, text: str | bytes) -> Path:
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+# (name, setup(tmp, small_data, tiny_run) -> (argv, stdin), needles in the error line)
+BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes | None]], tuple[str, ...]]] = [
+    (
+        "malformed YAML",
+        lambda t, d, r: (["train", "--config", str(_write(t / "c.yaml", "train:\n  max_steps: [1\n"))], None),
+        ("c.yaml", "malformed YAML at line"),
+    ),
+    (
+        "unknown key in YAML",
+        lambda t, d, r: (["train", "--config", str(_write(t / "c.yaml", "train:\n  max_step: 3\n"))], None),
+        ("c.yaml", "unknown key train.max_step", "did you mean train.max_steps"),
+    ),
+    (
+        "unknown key in --set",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "model.dmodel=8"), None),
+        ("unknown key model.dmodel", "did you mean model.d_model"),
+    ),
+    (
+        "wrong type in YAML",
+        lambda t, d, r: (["train", "--config", str(_write(t / "c.yaml", "model:\n  d_model: big\n"))], None),
+        ("model.d_model must be an integer", "'big'"),
+    ),
+    (
+        "wrong type in --set",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "train.max_steps=abc"), None),
+        ("train.max_steps must be an integer",),
+    ),
+    (
+        "zero size",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "train.batch_tokens=0"), None),
+        ("train.batch_tokens must be > 0",),
+    ),
+    (
+        "negative size",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "model.d_model=-64"), None),
+        ("model.d_model must be > 0",),
+    ),
+    (
+        "d_model not divisible by n_heads",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "model.n_heads=3"), None),
+        ("model.d_model (64) must be divisible by model.n_heads (3)",),
+    ),
+    (
+        "missing data directory",
+        lambda t, d, r: (tiny_args(t / "nowhere", t / "r"), None),
+        ("data.dir", "nowhere", "does not exist"),
+    ),
+    (
+        "missing split",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "data.valid_split=dev"), None),
+        ("dev.de", "split 'dev' missing"),
+    ),
+    (
+        "mismatched line counts",
+        lambda t, d, r: (
+            tiny_args(_data_copy(d, t / "d", lambda p: _drop_last(p / "val.en")), t / "r"),
+            None,
+        ),
+        ("val.de has 200 lines", "val.en has 199", "same number of lines"),
+    ),
+    (
+        "empty line in data",
+        lambda t, d, r: (tiny_args(_data_copy(d, t / "d", lambda p: _blank_line(p / "train.de", 7)), t / "r"), None),
+        ("train.de: line 7 is empty",),
+    ),
+    (
+        "non-UTF-8 bytes in data",
+        lambda t, d, r: (tiny_args(_data_copy(d, t / "d", lambda p: _bad_bytes(p / "train.en", 5)), t / "r"), None),
+        ("train.en: line 5 is not valid UTF-8",),
+    ),
+    (
+        "non-UTF-8 bytes on translate's standard input",
+        lambda t, d, r: (["translate", "--run", str(r)], b"Ein Hund.\n\xff\xfe\n"),
+        ("standard input: line 2 is not valid UTF-8",),
+    ),
+    (
+        "non-UTF-8 bytes in a translate argument",
+        lambda t, d, r: (["translate", "--run", str(r), "Ein Hund.", os.fsdecode(b"\xff\xfe")], None),
+        ("TEXT argument 2 is not valid UTF-8",),
+    ),
+    (
+        "translate --beam 0",
+        lambda t, d, r: (["translate", "--run", str(r), "--beam", "0", "x"], None),
+        ("--beam must be >= 1",),
+    ),
+    (
+        "run directory without checkpoints (translate)",
+        lambda t, d, r: (["translate", "--run", str(copy_run(r, t / "run", ())), "x"], None),
+        ("no checkpoints yet",),
+    ),
+    (
+        "run directory without checkpoints (resume)",
+        lambda t, d, r: (["train", "--run-dir", str(copy_run(r, t / "run", ())), "--resume"], None),
+        ("nothing to resume", "--config"),
+    ),
+    (
+        "resume a run directory that does not exist",
+        lambda t, d, r: (["train", "--run-dir", str(t / "nowhere"), "--resume"], None),
+        ("run directory not found",),
+    ),
+    (
+        "truncated checkpoint (translate)",
+        lambda t, d, r: (["translate", "--run", str(_damaged(r, t, _truncate)), "x"], None),
+        ("last.pt: truncated or corrupted checkpoint",),
+    ),
+    (
+        "truncated checkpoint (resume)",
+        lambda t, d, r: (["train", "--run-dir", str(_damaged(r, t, _truncate)), "--resume"], None),
+        ("last.pt: truncated or corrupted checkpoint",),
+    ),
+    (
+        "bit-flipped checkpoint",
+        lambda t, d, r: (["translate", "--run", str(_damaged(r, t, _flip_byte)), "x"], None),
+        ("last.pt: corrupted checkpoint", "CRC"),
+    ),
+    (
+        "checkpoint from another vocabulary",
+        lambda t, d, r: (["translate", "--run", str(_other_vocab(r, t, d)), "x"], None),
+        ("vocabulary differs",),
+    ),
+    (
+        "checkpoint of another model shape",
+        lambda t, d, r: (["translate", "--run", str(_other_shape(r, t)), "x"], None),
+        ("model shape differs", "the config gives [256, 64]"),
+    ),
+    (
+        "resume changing the model shape",
+        lambda t, d, r: (
+            ["train", "--run-dir", str(copy_run(r, t / "run")), "--resume", "--set", "model.d_ff=256"],
+            None,
+        ),
+        ("--resume cannot change model.d_ff", "128", "256"),
+    ),
+]
+
+
+def _drop_last(path: Path) -> None:
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    path.write_text("".join(lines[:-1]), encoding="utf-8")
+
+
+def _blank_line(path: Path, line: int) -> None:
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[line - 1] = "\n"
+    path.write_text("".join(lines), encoding="utf-8")
+
+
+def _bad_bytes(path: Path, line: int) -> None:
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[line - 1] = b"Ein \xff\xfe Hund\n"
+    path.write_bytes(b"".join(lines))
+
+
+def _damaged(run: Path, tmp: Path, damage: Callable[[Path], None]) -> Path:
+    copy = copy_run(run, tmp / "run")
+    damage(copy / "checkpoints" / "last.pt")
+    return copy
+
+
+def _other_vocab(run: Path, tmp: Path, small_data: Path) -> Path:
+    copy = copy_run(run, tmp / "run")
+    _other_tokenizer(copy, small_data)
+    return copy
+
+
+def _other_shape(run: Path, tmp: Path) -> Path:
+    copy = copy_run(run, tmp / "run")
+    _edit(copy / "config.yaml", "d_ff: 128", "d_ff: 256")
+    return copy
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_one_line_error_and_changes_nothing(
+    case: tuple, tmp_path: Path, small_data: Path, tiny_run: Path
+) -> None:
+    _, setup, needles = case
+    argv, stdin = setup(tmp_path, small_data, tiny_run)
+    before = snapshot(tmp_path, tiny_run)
+    assert_one_line_error(mtx(*argv, stdin=stdin), *needles)
+    assert snapshot(tmp_path, tiny_run) == before  # nothing created, changed or removed
+
+
+def test_documented_non_errors(tiny_run: Path) -> None:
+    """An empty input line gives an empty output line; an overlong one is truncated with a warning."""
+    long = " ".join(["Ein Mann fährt Fahrrad."] * 80)
+    r = mtx("translate", "--run", str(tiny_run), "--beam", "1", stdin=f"Ein Hund.\n\n{long}\n".encode())
+    err = r.stderr.decode()
+    out = r.stdout.decode().split("\n")
+    assert r.returncode == 0 and "mtx: error" not in err, err
+    assert len(out) == 4 and out[0] and out[1] == "" and out[2] and out[3] == ""
+    assert "1 input sentence(s) longer than 159 tokens were truncated (model.max_positions)" in err
