@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -102,6 +103,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lowercase", action="store_true", help="also report lowercased BLEU")
     p.add_argument("--output", type=Path, help="where to write hypotheses (default: RUN/eval/SPLIT.beamN.LANG)")
     p.add_argument("--json", action="store_true", help="print the scores as one JSON object")
+
+    p = sub.add_parser(
+        "average",
+        help="average the last step checkpoints of a run",
+        description="Average the weights of a run's newest checkpoints/step_N.pt files.",
+    )
+    p.add_argument("--run", required=True, type=Path, help="run directory")
+    p.add_argument("--last", type=int, default=5, help="how many of the newest step checkpoints (default: 5)")
+    p.add_argument("--out", type=Path, help="output file (default: RUN/checkpoints/average_lastN.pt)")
+    p.add_argument(
+        "--as-best", action="store_true", help="also make it the run's best.pt (the old one is kept as best_single.pt)"
+    )
+
+    p = sub.add_parser(
+        "plot", help="plot a run's learning curves", description="Write a PNG of losses, val BLEU and learning rate."
+    )
+    p.add_argument("--run", required=True, type=Path, help="run directory")
+    p.add_argument("--out", type=Path, help="output PNG (default: RUN/curves.png)")
     return parser
 
 
@@ -124,6 +143,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
     run_dir = args.run_dir or Path("runs") / args.config.stem
     state = fit(cfg, run_dir, resume=args.resume)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
+        return 0
     print(json.dumps({"run_dir": str(run_dir), "step": state.step, "best_val_bleu": round(state.best_bleu, 2)}))
     return 0
 
@@ -268,7 +289,30 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "translate": cmd_translate, "eval": cmd_eval}
+def cmd_average(args: argparse.Namespace) -> int:
+    from mtx.checkpoint import average_run
+
+    out, chosen = average_run(args.run, args.last, args.out, args.as_best)
+    print(f"averaged {len(chosen)} checkpoints ({', '.join(p.name for p in chosen)}) into {out}")
+    if args.as_best:
+        print(f"{args.run / 'checkpoints' / 'best.pt'} is now the average")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from mtx.plot import plot_run
+
+    print(plot_run(args.run, args.out or args.run / "curves.png"))
+    return 0
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "translate": cmd_translate,
+    "eval": cmd_eval,
+    "average": cmd_average,
+    "plot": cmd_plot,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -285,11 +285,14 @@ def epoch_batches(
 ) -> Iterator[Batch]:
     """The batches of one training epoch from batch index `start`, shuffled by (seed, epoch).
 
-    With several ranks, each takes a disjoint, equally long share of the epoch's batches.
+    With several ranks, each takes a disjoint, equally long share of the epoch's batches, dealt
+    round-robin (the last `len(plan) % world_size` batches are dropped): after `start` batches on
+    every rank exactly the first `start * world_size` batches of the plan have been used, so a
+    run can resume on another number of ranks.
     """
     plan = plan_batches(data.src_lens, data.tgt_lens, batch_tokens, seed=seed * 100003 + epoch)
     per_rank = len(plan) // world_size
-    plan = plan[rank * per_rank : (rank + 1) * per_rank] if world_size > 1 else plan
+    plan = plan[rank : per_rank * world_size : world_size]
     for indices in plan[start:]:
         yield data.batch(indices)
 

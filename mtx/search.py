@@ -55,6 +55,14 @@ def _drop_rows(keep: torch.Tensor, cache: KVCache | None, *tensors: torch.Tensor
     return [t.index_select(0, keep) for t in tensors]
 
 
+def _force_eos(log_probs: torch.Tensor, rows: list[int]) -> None:
+    """Rows that reached their length limit may only end: every other token gets -inf."""
+    index = torch.tensor(rows, dtype=torch.long, device=log_probs.device)
+    eos = log_probs[index, EOS]
+    log_probs[index] = float("-inf")
+    log_probs[index, EOS] = eos
+
+
 @torch.inference_mode()
 def greedy_search(
     model: Seq2Seq, src: torch.Tensor, max_len_a: float, max_len_b: int, use_cache: bool = True
@@ -63,29 +71,33 @@ def greedy_search(
     n = src.shape[0]
     src_mask = make_src_mask(src)
     memory = model.encode(src, src_mask)
-    max_lens = max_output_lengths(src, max_len_a, max_len_b, model)
+    max_lens = max_output_lengths(src, max_len_a, max_len_b, model).tolist()
     cache = model.new_cache() if use_cache else None
-    rows = torch.arange(n, device=src.device)  # original sentence of each running row
+    rows = list(range(n))  # original sentence of each running row
     tokens = torch.full((n, 1), BOS, dtype=torch.long, device=src.device)
     sums = torch.zeros(n, device=src.device)
     results: list[Hypothesis | None] = [None] * n
     step = 0
-    while rows.numel():
+    while rows:
         step += 1
         log_probs = _next_log_probs(model, tokens, memory, src_mask, cache)
-        forced = max_lens.index_select(0, rows) <= step
-        log_probs[forced, :EOS] = float("-inf")
-        log_probs[forced, EOS + 1 :] = float("-inf")
+        forced = [i for i, r in enumerate(rows) if max_lens[r] <= step]
+        if forced:
+            _force_eos(log_probs, forced)
         best, token = log_probs.max(dim=-1)
         sums = sums + best
         tokens = torch.cat([tokens, token[:, None]], dim=1)
-        done = token == EOS
-        if done.any():
-            for i in done.nonzero()[:, 0].tolist():
-                total = float(sums[i])
-                results[int(rows[i])] = Hypothesis(tokens[i, 1:-1].tolist(), total, total)
-            keep = (~done).nonzero()[:, 0]
-            rows, tokens, sums, memory, src_mask = _drop_rows(keep, cache, rows, tokens, sums, memory, src_mask)
+        ended = token.tolist()
+        done = [i for i, t in enumerate(ended) if t == EOS]
+        if done:
+            totals = sums.tolist()
+            for i in done:
+                results[rows[i]] = Hypothesis(tokens[i, 1:-1].tolist(), totals[i], totals[i])
+            keep = [i for i, t in enumerate(ended) if t != EOS]
+            rows = [rows[i] for i in keep]
+            if rows:
+                index = torch.tensor(keep, dtype=torch.long, device=src.device)
+                tokens, sums, memory, src_mask = _drop_rows(index, cache, tokens, sums, memory, src_mask)
     return [r for r in results if r is not None]
 
 
@@ -114,7 +126,7 @@ def beam_search(
     device = src.device
     src_mask = make_src_mask(src)
     memory = model.encode(src, src_mask)
-    max_lens = max_output_lengths(src, max_len_a, max_len_b, model)
+    max_lens = max_output_lengths(src, max_len_a, max_len_b, model).tolist()
     expand = torch.arange(n, device=device).repeat_interleave(k)
     memory, src_mask = memory.index_select(0, expand), src_mask.index_select(0, expand)  # (n*K, ...)
     cache = model.new_cache() if use_cache else None
@@ -129,10 +141,9 @@ def beam_search(
         m = len(sentences)
         log_probs = _next_log_probs(model, tokens, memory, src_mask, cache)  # (m*K, V)
         vocab = log_probs.shape[-1]
-        forced = (max_lens[sentences] <= step).repeat_interleave(k)
-        if forced.any():
-            log_probs[forced, :EOS] = float("-inf")
-            log_probs[forced, EOS + 1 :] = float("-inf")
+        forced = [g * k + j for g, sent in enumerate(sentences) if max_lens[sent] <= step for j in range(k)]
+        if forced:
+            _force_eos(log_probs, forced)
         candidates = (scores[:, :, None] + log_probs.view(m, k, vocab)).view(m, k * vocab)
         top_scores, top_index = candidates.topk(2 * k, dim=1)  # (m, 2K), sorted
         top_beam = torch.div(top_index, vocab, rounding_mode="floor")
@@ -156,13 +167,12 @@ def beam_search(
             cache.reorder(rows)
 
         best_alive = scores[:, 0].tolist()
-        max_lens_alive = max_lens[sentences].tolist()
         keep = []
         for i, sent in enumerate(sentences):
             done = len(finished[sent]) >= k and _cannot_improve(
-                finished[sent], k, best_alive[i], max_lens_alive[i], step, alpha
+                finished[sent], k, best_alive[i], max_lens[sent], step, alpha
             )
-            if not done and step < max_lens_alive[i]:
+            if not done and step < max_lens[sent]:
                 keep.append(i)
         if len(keep) < m:
             groups = torch.tensor(keep, dtype=torch.long, device=device)

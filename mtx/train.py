@@ -2,6 +2,10 @@
 
 `fit` owns the loop; everything it needs to continue exactly where it stopped (model,
 optimizer, scaler, RNG states, step, epoch and batch position) goes into `last.pt`.
+
+Launched by `torchrun` with WORLD_SIZE > 1, every process trains one replica under
+DistributedDataParallel on its share of each epoch's batches; rank 0 alone validates and
+writes the run directory.
 """
 
 from __future__ import annotations
@@ -9,19 +13,23 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import yaml
+from torch.nn.parallel import DistributedDataParallel
 
 from mtx import checkpoint as ckpt_io
 from mtx.config import Config, TrainConfig, to_dict
@@ -62,6 +70,73 @@ def pick_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MtxError("train.device: cuda requested but no CUDA device is available (use auto or cpu)")
     return device
+
+
+# Collectives wait this long for a rank before the job fails instead of hanging; the longest
+# legitimate wait is the other ranks waiting for rank 0's validation.
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a torchrun job; rank 0 of 1 when started without torchrun."""
+
+    rank: int = 0
+    local_rank: int = 0  # rank on this machine: the CUDA device index
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> Ranks:
+        """RANK, LOCAL_RANK and WORLD_SIZE as torchrun sets them."""
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+        try:
+            rank, local_rank, world_size = (int(os.environ.get(n, d)) for n, d in zip(names, (0, 0, 1), strict=True))
+        except ValueError:
+            raise MtxError("RANK, LOCAL_RANK and WORLD_SIZE must be integers (torchrun sets them)") from None
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise MtxError(f"RANK {rank} and WORLD_SIZE {world_size} do not fit (torchrun sets them)")
+        return cls(rank, local_rank, world_size)
+
+
+def rank_device(name: str, ranks: Ranks) -> torch.device:
+    """`pick_device`, except that under torchrun each process takes cuda:LOCAL_RANK (or the cpu)."""
+    device = pick_device(name)
+    if ranks.world_size == 1:
+        return device
+    if device.type == "cuda":
+        if name not in ("auto", "cuda"):
+            raise MtxError(f"train.device: {name} under torchrun; use cuda or auto (rank r takes cuda:LOCAL_RANK)")
+        if ranks.local_rank >= torch.cuda.device_count():
+            raise MtxError(
+                f"LOCAL_RANK {ranks.local_rank} but this machine has {torch.cuda.device_count()} CUDA device(s); "
+                "start at most that many processes per node (--nproc_per_node)"
+            )
+        return torch.device("cuda", ranks.local_rank)
+    if device.type != "cpu":
+        raise MtxError(f"train.device: distributed training runs on cuda or cpu, not {device.type}")
+    return device
+
+
+def _barrier(ranks: Ranks, device: torch.device) -> None:
+    """Wait until every rank is here (nothing to wait for in a single process)."""
+    if ranks.world_size > 1:
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def start_process_group(device: torch.device, ranks: Ranks) -> None:
+    """NCCL on CUDA, gloo on CPU; the rendezvous address comes from torchrun's environment."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        rank=ranks.rank,
+        world_size=ranks.world_size,
+        timeout=PROCESS_GROUP_TIMEOUT,
+    )
 
 
 def amp_dtype(device: torch.device, amp: str) -> torch.dtype | None:
@@ -163,11 +238,31 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         return out, None, None
 
 
+class TokenLoss(torch.nn.Module):
+    """A Seq2Seq and its summed label-smoothed loss as one module.
+
+    DistributedDataParallel synchronises the gradients of what its wrapped module's forward
+    computed, so the loss, not only the logits, has to come out of a forward. The batch passes
+    through DDP unchanged (it must already be on the device)."""
+
+    def __init__(
+        self, model: Seq2Seq, loss_fn: Callable[[Seq2Seq, Batch, float], torch.Tensor], smoothing: float
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.smoothing = smoothing
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.loss_fn(self.model, batch, self.smoothing)
+
+
 @dataclass
 class TrainState:
     step: int = 0  # optimizer updates done
     epoch: int = 0
-    batch: int = 0  # batches of `epoch` consumed
+    batch: int = 0  # batches of `epoch` consumed (by each rank)
+    world_size: int = 1  # ranks that `batch` counts for
     best_bleu: float = -1.0
     best_step: int = 0
     evals_without_gain: int = 0
@@ -204,6 +299,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def rank_seed(seed: int, rank: int, step: int) -> int:
+    """Torch seed for the dropout of rank > 0, distinct per (seed, rank, step); rank 0 keeps `seed`."""
+    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
+
+
 class StopRequest:
     """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary."""
 
@@ -229,20 +329,32 @@ class StopRequest:
 
 
 class Trainer:
-    """Holds a run's model, optimizer and data; `fit` runs the loop."""
+    """Holds a run's model, optimizer and data; `fit` runs the loop.
 
-    def __init__(self, cfg: Config, run_dir: Path, resume: bool, corpus: datasets.DatasetDict | None = None) -> None:
+    With `ranks.world_size > 1` (the process group started) it is one replica of a DDP job:
+    every rank calls the same methods in the same order, and only rank 0 writes files."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        resume: bool,
+        corpus: datasets.DatasetDict | None = None,
+        ranks: Ranks | None = None,
+    ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.resumed = resume
+        self.ranks = ranks = ranks or Ranks()
         self.saved_step: int | None = None  # step of the newest last.pt
         tc = cfg.train
-        for path in ckpt_io.clean_stale_tmp(ckpt_io.checkpoint_dir(run_dir)):
-            log.info("removed %s, left by an interrupted save", path)
+        if ranks.is_main:  # another node cannot tell whether a writer's pid is alive
+            for path in ckpt_io.clean_stale_tmp(ckpt_io.checkpoint_dir(run_dir)):
+                log.info("removed %s, left by an interrupted save", path)
         if tc.threads:
             torch.set_num_threads(tc.threads)
         seed_everything(tc.seed)
-        self.device = pick_device(tc.device)
+        self.device = rank_device(tc.device, ranks)
         self.amp = amp_dtype(self.device, tc.amp)
 
         data_dir = resolve_data_dir(cfg.data)
@@ -250,13 +362,14 @@ class Trainer:
             corpus = load_corpus(data_dir, cfg.data, [cfg.data.train_split, cfg.data.valid_split])
         train_src, train_tgt = texts(corpus[cfg.data.train_split])
         valid_src, valid_tgt = texts(corpus[cfg.data.valid_split])
-        if resume:  # never retrain the tokenizer of a run that has weights
-            self.src_tok, self.tgt_tok = load_run_tokenizers(
-                run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang
-            )
-        else:
+        if ranks.is_main and not resume:
             self.src_tok, self.tgt_tok = train_or_load(
                 run_dir, cfg.tokenizer, cfg.data.src_lang, cfg.data.tgt_lang, train_src, train_tgt
+            )
+        self._barrier()  # rank 0 has trained and saved a new run's tokenizer before the others load it
+        if resume or not ranks.is_main:  # a run that has weights never retrains its tokenizer
+            self.src_tok, self.tgt_tok = load_run_tokenizers(
+                run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang
             )
         self.train_ids = ParallelIds.encode(train_src, train_tgt, self.src_tok, self.tgt_tok, cfg.data.max_len)
         n_val = tc.eval_sentences or len(valid_src)
@@ -268,10 +381,53 @@ class Trainer:
         self.vocab = ckpt_io.vocab_fingerprint(self.src_tok, self.tgt_tok)
         self.optimizer = make_optimizer(self.model, tc, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == torch.float16)
-        self.loss_fn = torch.compile(label_smoothed_loss) if tc.compile else label_smoothed_loss
-        self.state = TrainState()
+        loss_fn = torch.compile(label_smoothed_loss) if tc.compile else label_smoothed_loss
+        self.loss_module: torch.nn.Module = TokenLoss(self.model, loss_fn, tc.label_smoothing)
+        if ranks.world_size > 1:  # DDP copies rank 0's initial weights to every rank
+            self.loss_module = DistributedDataParallel(
+                self.loss_module, device_ids=[self.device.index] if self.device.type == "cuda" else None
+            )
+        self.state = TrainState(world_size=ranks.world_size)
         if resume:
             self._restore()
+        elif ranks.rank:
+            torch.manual_seed(rank_seed(tc.seed, ranks.rank, 0))  # each rank its own dropout masks
+
+    # -- collectives (no-ops in a single process) ---------------------------------------------
+    def _barrier(self) -> None:
+        _barrier(self.ranks, self.device)
+
+    def _sum_over_ranks(self, values: list[float]) -> list[float]:
+        """Element-wise sum of a few numbers over the ranks (float64 keeps token counts exact)."""
+        if self.ranks.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def _from_main(self, flag: bool) -> bool:
+        """Rank 0's `flag` on every rank (the others wait here for rank 0)."""
+        if self.ranks.world_size == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=self.device)
+        dist.broadcast(t, src=0)
+        return bool(t.item())
+
+    def _stop_signal(self, stop: StopRequest) -> int | None:
+        """The stop signal any rank received, agreed by all so that they stop at the same step."""
+        if self.ranks.world_size == 1:
+            return stop.signal
+        t = torch.tensor([stop.signal or 0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item()) or None
+
+    def _rng_states(self) -> list[dict[str, Any]] | None:
+        """Every rank's RNG states (rank r's at index r) under DDP, else None."""
+        if self.ranks.world_size == 1:
+            return None
+        states: list[Any] = [None] * self.ranks.world_size
+        dist.all_gather_object(states, _rng_state())
+        return states
 
     # -- checkpoints -----------------------------------------------------------------------
     def _payload(self, full: bool) -> dict[str, Any]:
@@ -292,8 +448,17 @@ class Trainer:
         return out
 
     def save(self) -> None:
-        """Write the full training state to last.pt (atomically)."""
-        ckpt_io.atomic_save(self._payload(full=True), ckpt_io.checkpoint_dir(self.run_dir) / "last.pt")
+        """Write the full training state to last.pt (atomically).
+
+        Under DDP every rank calls it: rank 0 writes, with each rank's RNG states, while the
+        others wait, so that none exits (and torchrun stops the job) while last.pt is written."""
+        rng_per_rank = self._rng_states()
+        if self.ranks.is_main:
+            payload = self._payload(full=True)
+            if rng_per_rank is not None:
+                payload["rng_per_rank"] = rng_per_rank
+            ckpt_io.atomic_save(payload, ckpt_io.checkpoint_dir(self.run_dir) / "last.pt")
+        self._barrier()
         self.saved_step = self.state.step
 
     def _restore(self) -> None:
@@ -309,14 +474,25 @@ class Trainer:
         try:
             self.optimizer.load_state_dict(ckpt["optimizer"])
             self.scaler.load_state_dict(ckpt["scaler"])
-            _set_rng_state(ckpt["rng"])
             self.state = TrainState(**ckpt["state"])
+            rng_per_rank = ckpt.get("rng_per_rank") or [ckpt["rng"]]
+            same_ranks = len(rng_per_rank) == self.ranks.world_size
+            _set_rng_state(rng_per_rank[self.ranks.rank] if same_ranks else ckpt["rng"])
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise CheckpointError(
                 f"{path}: cannot restore the training state ({e.__class__.__name__}: {str(e)[:100]})"
             ) from None
+        if not same_ranks and self.ranks.rank:
+            torch.manual_seed(rank_seed(self.cfg.train.seed, self.ranks.rank, self.state.step))
+        if self.state.world_size != self.ranks.world_size:
+            # each rank consumed `batch` batches of its round-robin share: the plan's first
+            # batch * old_world batches; continue after them (skipping fewer than world_size)
+            st, old = self.state, self.state.world_size
+            st.batch, st.world_size = -(-st.batch * old // self.ranks.world_size), self.ranks.world_size
+            log.info("the run was trained on %d rank(s), continues on %d", old, self.ranks.world_size)
         self.saved_step = self.state.step
-        self._trim_metrics()
+        if self.ranks.is_main:
+            self._trim_metrics()
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)", path, self.state.step, self.state.epoch, self.state.batch
         )
@@ -358,7 +534,15 @@ class Trainer:
         while True:
             if tc.max_epochs and self.state.epoch >= tc.max_epochs:
                 return
-            batches = epoch_batches(self.train_ids, tc.batch_tokens, tc.seed, self.state.epoch, self.state.batch)
+            batches = epoch_batches(
+                self.train_ids,
+                tc.batch_tokens,
+                tc.seed,
+                self.state.epoch,
+                self.state.batch,
+                self.ranks.rank,
+                self.ranks.world_size,
+            )
             for batch in batches:
                 group.append(batch)
                 if len(group) == tc.accum_steps:
@@ -370,20 +554,31 @@ class Trainer:
             self.state.epoch += 1
             self.state.batch = 0
 
-    def train_step(self, group: list[Batch]) -> tuple[float, bool]:
+    def train_step(self, group: list[Batch]) -> tuple[float, int, bool]:
         """Forward/backward over the micro-batches, then one optimizer update.
 
-        Returns (mean loss per target token, whether the update was applied)."""
+        Under DDP the gradient equals the single-process gradient of all ranks' batches put
+        together: each rank's summed loss is divided by the step's target tokens over all ranks
+        divided by the number of ranks, since DDP averages the ranks' gradients. Only the last
+        micro-batch's backward all-reduces; the others accumulate locally (`no_sync`).
+
+        Returns (mean loss per target token, target tokens, whether the update was applied),
+        both over all ranks."""
         tc = self.cfg.train
+        world = self.ranks.world_size
         self.model.train()
-        n_tokens = sum(b.n_tgt_tokens for b in group)
+        n_tokens = self._sum_over_ranks([sum(b.n_tgt_tokens for b in group)])[0]
+        tokens_per_rank = n_tokens / world
         total = 0.0
-        for batch in group:
+        for i, batch in enumerate(group):
             batch = batch.to(self.device)
-            with autocast(self.device, self.amp):
-                loss = self.loss_fn(self.model, batch, tc.label_smoothing)
-            self.scaler.scale(loss / n_tokens).backward()
+            accumulate = world > 1 and i < len(group) - 1
+            with self.loss_module.no_sync() if accumulate else nullcontext():  # type: ignore[operator]
+                with autocast(self.device, self.amp):
+                    loss = self.loss_module(batch)
+                self.scaler.scale(loss / tokens_per_rank).backward()
             total += loss.item()
+        total = self._sum_over_ranks([total])[0]
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_norm or float("inf"))
         finite = math.isfinite(total) and bool(torch.isfinite(grad_norm))
@@ -393,7 +588,7 @@ class Trainer:
             self.scaler.step(self.optimizer)  # the fp16 scaler itself skips non-finite steps
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return total / n_tokens, finite
+        return total / n_tokens, int(n_tokens), finite
 
     # -- validation ------------------------------------------------------------------------
     @torch.no_grad()
@@ -416,7 +611,10 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self, stop: StopRequest | None = None) -> TrainState:
-        """Train to train.max_steps (or max_epochs, patience); a stop signal saves last.pt and raises Interrupted."""
+        """Train to train.max_steps (or max_epochs, patience); a stop signal saves last.pt and raises Interrupted.
+
+        Under DDP every rank runs this loop in step: the same number of batches per epoch, the
+        stop signal agreed at each step, validation on rank 0 while the others wait."""
         from tqdm import tqdm
 
         if stop is None:
@@ -439,26 +637,39 @@ class Trainer:
             len(self.valid_ids),
             100 * pad,
         )
-        metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        bar = tqdm(total=tc.max_steps, initial=st.step, unit="step", dynamic_ncols=True, mininterval=1.0)
+        if self.ranks.world_size > 1:
+            log.info(
+                "DDP over %d ranks (%s): train.batch_tokens=%d per rank, x %d ranks x %d accum_steps per update",
+                self.ranks.world_size,
+                dist.get_backend(),
+                tc.batch_tokens,
+                self.ranks.world_size,
+                tc.accum_steps,
+            )
+        main = self.ranks.is_main
+        metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") if main else None
+        bar = tqdm(
+            total=tc.max_steps, initial=st.step, unit="step", dynamic_ncols=True, mininterval=1.0, disable=not main
+        )
         window_tokens, window_loss, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
         last_time = time.perf_counter()
         stop_reason = f"reached train.max_steps={tc.max_steps}"
         try:
             groups = self._micro_batches()
             while st.step < tc.max_steps:
-                if stop.signal is not None:
+                signum = self._stop_signal(stop)
+                if signum is not None:
                     self.save()
                     raise Interrupted(
-                        f"training stopped by {signal.Signals(stop.signal).name} at step {st.step}; "
+                        f"training stopped by {signal.Signals(signum).name} at step {st.step}; "
                         f"checkpoint saved. Resume with: mtx train --run-dir {self.run_dir} --resume",
-                        stop.signal,
+                        signum,
                     )
                 group = next(groups, None)
                 if group is None:
                     stop_reason = f"reached train.max_epochs={tc.max_epochs}"
                     break
-                loss, applied = self.train_step(group)
+                loss, tokens, applied = self.train_step(group)
                 now = time.perf_counter()
                 st.elapsed += now - last_time
                 last_time = now
@@ -475,7 +686,6 @@ class Trainer:
                     continue
                 st.bad_steps_in_row = 0
                 st.step += 1
-                tokens = sum(b.n_tgt_tokens for b in group)
                 window_tokens += tokens
                 window_loss += loss
                 window_steps += 1
@@ -497,8 +707,9 @@ class Trainer:
                         lr=f"{record['lr']:.2e}",
                         tok_s=f"{record['tgt_tok_per_s']:.0f}",
                     )
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
+                    if metrics is not None:
+                        metrics.write(json.dumps(record) + "\n")
+                        metrics.flush()
                     window_tokens, window_loss, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
                 at_eval = st.step % tc.eval_every == 0 or st.step == tc.max_steps
                 if at_eval and self._evaluate(metrics):
@@ -506,7 +717,8 @@ class Trainer:
                     break
         finally:
             bar.close()
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
         if st.step % tc.eval_every and st.step != tc.max_steps:
             self._evaluate(None)
         self.save()
@@ -520,22 +732,28 @@ class Trainer:
         return st
 
     def _evaluate(self, metrics: Any) -> bool:
-        """Validate, log, save step/best/last checkpoints; True when patience ran out."""
-        result = self.validate()
+        """Validate, log, save step/best/last checkpoints; True when patience ran out.
+
+        Validation runs once, on rank 0; the other ranks wait for its patience verdict."""
         st = self.state
-        record = {"event": "valid", "step": st.step, "epoch": st.epoch, **result, "elapsed_s": st.elapsed}
-        self._save_step_and_best(result["val_bleu"])
-        record["best_bleu"] = st.best_bleu
-        message = (
-            f"step {st.step}: val loss {result['val_loss']:.3f}, val BLEU {result['val_bleu']:.2f} "
-            f"(best {st.best_bleu:.2f} at step {st.best_step})"
-        )
-        log.info(message)
-        if metrics is not None:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+        out_of_patience = False
+        if self.ranks.is_main:
+            result = self.validate()
+            record = {"event": "valid", "step": st.step, "epoch": st.epoch, **result, "elapsed_s": st.elapsed}
+            self._save_step_and_best(result["val_bleu"])
+            record["best_bleu"] = st.best_bleu
+            message = (
+                f"step {st.step}: val loss {result['val_loss']:.3f}, val BLEU {result['val_bleu']:.2f} "
+                f"(best {st.best_bleu:.2f} at step {st.best_step})"
+            )
+            log.info(message)
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            out_of_patience = bool(self.cfg.train.patience) and st.evals_without_gain >= self.cfg.train.patience
+        out_of_patience = self._from_main(out_of_patience)
         self.save()
-        return bool(self.cfg.train.patience) and st.evals_without_gain >= self.cfg.train.patience
+        return out_of_patience
 
 
 def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
@@ -611,22 +829,39 @@ def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path) -> None:
 def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     """Train the config into `run_dir` (resuming from its last.pt when asked).
 
-    The run directory, device, precision and data are checked before anything is written."""
+    The run directory, device, precision and data are checked before anything is written.
+    Under torchrun (WORLD_SIZE > 1) every process runs this with the same arguments and trains
+    one DDP replica; rank 0 alone writes the run directory and logs."""
+    ranks = Ranks.from_env()
     if not resume:
         cfg = resolve_config(cfg)
     check_run_dir(run_dir, cfg, resume)
-    amp_dtype(pick_device(cfg.train.device), cfg.train.amp)
+    device = rank_device(cfg.train.device, ranks)
+    amp_dtype(device, cfg.train.amp)
     corpus = load_corpus(resolve_data_dir(cfg.data), cfg.data, [cfg.data.train_split, cfg.data.valid_split])
-    prepare_run_dir(run_dir, cfg, resume)
-    handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8", delay=True)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    logging.getLogger().addHandler(handler)
+    if ranks.world_size > 1:
+        start_process_group(device, ranks)
+    mtx_log = logging.getLogger("mtx")
+    level = mtx_log.level
+    handler = None
     try:
+        _barrier(ranks, device)  # every rank has checked the run directory before rank 0 writes to it
+        if ranks.is_main:
+            prepare_run_dir(run_dir, cfg, resume)
+            handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8", delay=True)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+            logging.getLogger().addHandler(handler)
+        else:
+            mtx_log.setLevel(logging.WARNING)  # rank 0 reports for the job
         with StopRequest() as stop:
-            trainer = Trainer(cfg, run_dir, resume, corpus)
-            if resume:  # record --set changes, now that the checkpoint has been restored
+            trainer = Trainer(cfg, run_dir, resume, corpus, ranks)
+            if resume and ranks.is_main:  # record --set changes, now that the checkpoint has been restored
                 ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
             return trainer.fit(stop)
     finally:
-        logging.getLogger().removeHandler(handler)
-        handler.close()
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+        mtx_log.setLevel(level)
+        if ranks.world_size > 1:
+            dist.destroy_process_group()

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtx.checkpoint import average_checkpoints, load_checkpoint, step_checkpoints
+from mtx.cli import main
+from mtx.errors import CheckpointError
+
+
+@pytest.fixture()
+def run_copy(tiny_run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(tiny_run, out)
+    return out
+
+
+def test_average_is_the_elementwise_mean(run_copy: Path) -> None:
+    steps = step_checkpoints(run_copy)
+    assert len(steps) >= 2
+    avg = average_checkpoints(steps[-2:])
+    a, b = (load_checkpoint(p)["model"] for p in steps[-2:])
+    for key, value in avg["model"].items():
+        assert torch.allclose(value, (a[key] + b[key]) / 2, atol=1e-6), key
+
+
+def test_average_command_as_best_keeps_the_old_best(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpts = run_copy / "checkpoints"
+    old_best = (ckpts / "best.pt").read_bytes()
+    assert main(["average", "--run", str(run_copy), "--last", "2", "--as-best"]) == 0
+    assert "averaged 2 checkpoints" in capsys.readouterr().out
+    assert (ckpts / "best_single.pt").read_bytes() == old_best
+    assert load_checkpoint(ckpts / "best.pt")["averaged_from"] == [p.name for p in step_checkpoints(run_copy)[-2:]]
+    assert main(["translate", "--run", str(run_copy), "--beam", "2", "Ein Hund läuft."]) == 0
+
+
+def test_average_refuses_checkpoints_of_another_run(run_copy: Path, tmp_path: Path) -> None:
+    steps = step_checkpoints(run_copy)
+    other = load_checkpoint(steps[-1])
+    other["vocab"] = "different"
+    torch.save(other, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="not from the same run"):
+        average_checkpoints([steps[-1], tmp_path / "other.pt"])
+    assert main(["average", "--run", str(tmp_path / "nowhere")]) != 0
+
+
+def test_plot_writes_a_png(run_copy: Path) -> None:
+    out = run_copy / "curves.png"
+    assert main(["plot", "--run", str(run_copy)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

@@ -1,0 +1,193 @@
+"""Distributed training on CPU (DDP over gloo): 2 ranks take the 1-rank step; torchrun end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from mtx.config import Config, load_config
+from mtx.data import Batch, ParallelIds, epoch_batches, plan_batches
+from mtx.train import Ranks, Trainer
+
+from .conftest import REPO, TINY_CONFIG, tiny_args
+from .test_cli import mtx
+
+ACCUM = (2, 2, 2, 1)  # micro-batches per rank in each of the compared optimizer steps
+BATCH_TOKENS = 500  # B: each rank's micro-batch; the 1-rank run takes both ranks' together
+
+
+@pytest.fixture(scope="module")
+def ddp_data(tmp_path_factory: pytest.TempPathFactory, small_data: Path) -> Path:
+    """400 train pairs: a few seconds to tokenise and start on each rank."""
+    out = tmp_path_factory.mktemp("multi30k_ddp")
+    for split, n in (("train", 400), ("val", 30), ("test_2016_flickr", 30)):
+        for lang in ("de", "en"):
+            lines = (small_data / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(keepends=True)
+            (out / f"{split}.{lang}").write_text("".join(lines[:n]), encoding="utf-8")
+    return out
+
+
+def test_rank_shards_are_dealt_round_robin_so_resume_can_change_the_rank_count() -> None:
+    n = 999
+    lens = np.random.default_rng(0).integers(1, 40, size=(2, n))
+    ids = ParallelIds([[1000 + i] * lens[0, i] for i in range(n)], [[4] * t for t in lens[1]])
+
+    def shards(world_size: int, start: int = 0) -> list[list[frozenset[int]]]:
+        """Each rank's batches from `start`, as sets of sentence numbers (the first source id)."""
+        return [
+            [frozenset(b.src[:, 0].tolist()) for b in epoch_batches(ids, 400, 1, 0, start, rank, world_size)]
+            for rank in range(world_size)
+        ]
+
+    plan = shards(1)[0]
+    assert len(plan) > 20 and len(set().union(*plan)) == n
+    for world_size in (2, 3):
+        per_rank = shards(world_size)
+        assert {len(s) for s in per_rank} == {len(plan) // world_size}  # no rank waits at an epoch's end
+        dealt = [batch for step in zip(*per_rank, strict=True) for batch in step]
+        assert dealt == plan[: len(dealt)]  # disjoint, and in plan order across the ranks
+    # 7 batches on each of 2 ranks used plan[:14]; on 3 ranks the run continues at batch 5 of each
+    # share (plan[15:]), skipping fewer batches than there are ranks and repeating none
+    resumed = shards(3, start=-(-7 * 2 // 3))
+    assert [batch for step in zip(*resumed, strict=True) for batch in step] == plan[15 : 3 * (len(plan) // 3)]
+
+
+def equivalence_config(data_dir: Path) -> Config:
+    overrides = ["model.dropout=0.0", "train.amp=fp32", "train.eval_sentences=10"]
+    return load_config(TINY_CONFIG, [f"data.dir={data_dir}", *overrides])
+
+
+def step_batches(trainer: Trainer, step: int, rank: int, world_size: int) -> list[Batch]:
+    """Rank `rank`'s micro-batches of `step`; with world_size 1, all ranks' batches of a micro-step as one."""
+    ids = trainer.train_ids
+    plan = plan_batches(ids.src_lens, ids.tgt_lens, BATCH_TOKENS, seed=7)
+    first = sum(ACCUM[:step])
+    micro = [plan[2 * m : 2 * m + 2] for m in range(first, first + ACCUM[step])]  # (rank 0's, rank 1's)
+    if world_size == 1:
+        return [ids.batch(np.concatenate(pair)) for pair in micro]
+    return [ids.batch(pair[rank]) for pair in micro]
+
+
+def run_steps(trainer: Trainer, rank: int, world_size: int, bucket_calls: list[int]) -> dict[str, object]:
+    """The steps of ACCUM: each step's loss, gradients (as the optimizer sees them) and all-reduces."""
+    grads: list[list[torch.Tensor]] = []
+    calls_at_step: list[int] = []
+
+    def record(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        grads.append([p.grad.clone() for p in trainer.model.parameters()])
+        calls_at_step.append(len(bucket_calls))
+
+    trainer.optimizer.register_step_pre_hook(record)
+    losses = []
+    for step in range(len(ACCUM)):
+        loss, _, applied = trainer.train_step(step_batches(trainer, step, rank, world_size))
+        assert applied
+        losses.append(loss)
+    calls = np.diff([0, *calls_at_step]).tolist()
+    weights = [p.detach().clone() for p in trainer.model.parameters()]
+    return {"losses": losses, "grads": grads, "weights": weights, "bucket_calls": calls}
+
+
+def counting_allreduce(calls, bucket):  # unannotated: DDP rejects the string annotations of this module
+    """DDP's own all-reduce of a gradient bucket, counted."""
+    calls.append(1)
+    return allreduce_hook(None, bucket)
+
+
+def equivalence_worker(rank: int, world_size: int, data_dir: Path, run_dir: Path, store: Path, out: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        trainer = Trainer(equivalence_config(data_dir), run_dir, resume=False, ranks=Ranks(rank, rank, world_size))
+        bucket_calls: list[int] = []
+        trainer.loss_module.register_comm_hook(bucket_calls, counting_allreduce)
+        torch.save(run_steps(trainer, rank, world_size, bucket_calls), out / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_take_the_single_process_step(tmp_path: Path, ddp_data: Path) -> None:
+    """Gradients and losses of 2 ranks x B tokens equal 1 rank on the same 2B tokens (fp32, no dropout)."""
+    ddp_run, single_run = tmp_path / "ddp", tmp_path / "single"
+    ddp_run.mkdir()
+    single_run.mkdir()
+    mp.spawn(equivalence_worker, args=(2, ddp_data, ddp_run, tmp_path / "store", tmp_path), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+    shutil.copy(ddp_run / "tokenizer.json", single_run / "tokenizer.json")  # the same vocabulary
+    trainer = Trainer(equivalence_config(ddp_data), single_run, resume=False)
+    single = run_steps(trainer, 0, 1, [])
+
+    # DDP keeps the replicas identical: the same averaged gradients and weights on both ranks
+    for a, b in zip(ranks[0]["grads"] + [ranks[0]["weights"]], ranks[1]["grads"] + [ranks[1]["weights"]], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    # ... and they are the single-process step on the two ranks' batches put together
+    assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    for step, (ddp_grads, single_grads) in enumerate(zip(ranks[0]["grads"], single["grads"], strict=True)):
+        for x, y in zip(ddp_grads, single_grads, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-7, msg=lambda m, s=step: f"step {s + 1}: {m}")
+    # Adam divides each element by its own gradient scale, so float noise on a near-zero gradient
+    # can move a weight by up to the learning rate (here 6e-5 at step 1 to 2.4e-4 at step 4)
+    for x, y in zip(ranks[0]["weights"], single["weights"], strict=True):
+        torch.testing.assert_close(x, y, rtol=0.0, atol=1e-4)
+    # accumulation all-reduces once per update: a step of 2 micro-batches as often as a step of 1
+    calls = ranks[0]["bucket_calls"]
+    assert calls[-1] > 0 and calls[1:-1] == [calls[-1]] * (len(ACCUM) - 2), calls
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess[bytes]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*command, "-m", "mtx", *args], capture_output=True, cwd=REPO, env=env, timeout=600)
+
+
+def test_torchrun_trains_resumes_and_translates(tmp_path: Path, ddp_data: Path) -> None:
+    """2 processes through torchrun: rank 0 alone writes the run; --resume continues it; it translates."""
+    run_dir = tmp_path / "run"
+    common = ("--set", "train.eval_every=10", "--set", "train.log_every=5", "--set", "train.accum_steps=2")
+    r = torchrun(
+        *tiny_args(ddp_data, run_dir, *common, "--set", "train.max_steps=10", "--set", "train.eval_sentences=20")
+    )
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    r = torchrun("train", "--run-dir", str(run_dir), "--resume", "--set", "train.max_steps=20")
+    err = r.stderr.decode()
+    assert r.returncode == 0, err[-3000:]
+
+    names = {str(p.relative_to(run_dir)) for p in run_dir.rglob("*")}
+    assert names == {
+        "config.yaml",
+        "tokenizer.json",
+        "metrics.jsonl",
+        "train.log",
+        "checkpoints",
+        *(f"checkpoints/{n}.pt" for n in ("last", "best", "step_10", "step_20")),
+    }
+    # one writer: every event once, one log line per event
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "train"] == [5, 10, 15, 20]
+    assert [e["step"] for e in events if e["event"] == "valid"] == [10, 20]
+    log_text = (run_dir / "train.log").read_text()
+    assert log_text.count("resumed from") == 1 and log_text.count("done: reached train.max_steps=20") == 1
+    assert log_text.count("DDP over 2 ranks (gloo)") == 2 and err.count("step 20: val loss") == 1
+
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert last["state"]["step"] == 20 and last["state"]["world_size"] == 2
+    rng = last["rng_per_rank"]
+    assert len(rng) == 2 and torch.equal(rng[0]["torch"], last["rng"]["torch"])
+    assert not torch.equal(rng[0]["torch"], rng[1]["torch"])  # each rank draws its own dropout masks
+
+    r = mtx("translate", "--run", str(run_dir), "--beam", "2", "Ein Mann fährt Fahrrad.")
+    assert r.returncode == 0, r.stderr.decode()
+    assert len(r.stdout.decode().splitlines()) == 1 and r.stdout.decode().strip()
