@@ -40,6 +40,18 @@ def small_data(tmp_path_factory: pytest.TempPathFactory, shared_data: Path) -> P
     return out
 
 
+@pytest.fixture(scope="session")
+def mini_data(tmp_path_factory: pytest.TempPathFactory, small_data: Path) -> Path:
+    """400 train pairs of the small slice: about 9 batches an epoch at the tiny config's batch_tokens,
+    a few seconds to tokenise and start on each of several ranks."""
+    out = tmp_path_factory.mktemp("multi30k_mini")
+    for split, n in (("train", 400), ("val", 30), ("test_2016_flickr", 30)):
+        for lang in ("de", "en"):
+            lines = (small_data / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(keepends=True)
+            (out / f"{split}.{lang}").write_text("".join(lines[:n]), encoding="utf-8")
+    return out
+
+
 def tiny_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
     return [
         "train",

@@ -27,17 +27,6 @@ ACCUM = (2, 2, 2, 1)  # micro-batches per rank in each of the compared optimizer
 BATCH_TOKENS = 500  # B: each rank's micro-batch; the 1-rank run takes both ranks' together
 
 
-@pytest.fixture(scope="module")
-def ddp_data(tmp_path_factory: pytest.TempPathFactory, small_data: Path) -> Path:
-    """400 train pairs: a few seconds to tokenise and start on each rank."""
-    out = tmp_path_factory.mktemp("multi30k_ddp")
-    for split, n in (("train", 400), ("val", 30), ("test_2016_flickr", 30)):
-        for lang in ("de", "en"):
-            lines = (small_data / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(keepends=True)
-            (out / f"{split}.{lang}").write_text("".join(lines[:n]), encoding="utf-8")
-    return out
-
-
 def test_rank_shards_are_dealt_round_robin_so_resume_can_change_the_rank_count() -> None:
     n = 999
     lens = np.random.default_rng(0).integers(1, 40, size=(2, n))
@@ -117,16 +106,16 @@ def equivalence_worker(rank: int, world_size: int, data_dir: Path, run_dir: Path
         dist.destroy_process_group()
 
 
-def test_two_ranks_take_the_single_process_step(tmp_path: Path, ddp_data: Path) -> None:
+def test_two_ranks_take_the_single_process_step(tmp_path: Path, mini_data: Path) -> None:
     """Gradients and losses of 2 ranks x B tokens equal 1 rank on the same 2B tokens (fp32, no dropout)."""
     ddp_run, single_run = tmp_path / "ddp", tmp_path / "single"
     ddp_run.mkdir()
     single_run.mkdir()
-    mp.spawn(equivalence_worker, args=(2, ddp_data, ddp_run, tmp_path / "store", tmp_path), nprocs=2, join=True)
+    mp.spawn(equivalence_worker, args=(2, mini_data, ddp_run, tmp_path / "store", tmp_path), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
 
     shutil.copy(ddp_run / "tokenizer.json", single_run / "tokenizer.json")  # the same vocabulary
-    trainer = Trainer(equivalence_config(ddp_data), single_run, resume=False)
+    trainer = Trainer(equivalence_config(mini_data), single_run, resume=False)
     single = run_steps(trainer, 0, 1, [])
 
     # DDP keeps the replicas identical: the same averaged gradients and weights on both ranks
@@ -153,12 +142,12 @@ def torchrun(*args: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([*command, "-m", "mtx", *args], capture_output=True, cwd=REPO, env=env, timeout=600)
 
 
-def test_torchrun_trains_resumes_and_translates(tmp_path: Path, ddp_data: Path) -> None:
+def test_torchrun_trains_resumes_and_translates(tmp_path: Path, mini_data: Path) -> None:
     """2 processes through torchrun: rank 0 alone writes the run; --resume continues it; it translates."""
     run_dir = tmp_path / "run"
     common = ("--set", "train.eval_every=10", "--set", "train.log_every=5", "--set", "train.accum_steps=2")
     r = torchrun(
-        *tiny_args(ddp_data, run_dir, *common, "--set", "train.max_steps=10", "--set", "train.eval_sentences=20")
+        *tiny_args(mini_data, run_dir, *common, "--set", "train.max_steps=10", "--set", "train.eval_sentences=20")
     )
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     r = torchrun("train", "--run-dir", str(run_dir), "--resume", "--set", "train.max_steps=20")

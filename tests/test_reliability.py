@@ -27,17 +27,6 @@ from .conftest import REPO, tiny_args
 from .test_cli import assert_one_line_error, mtx
 
 
-@pytest.fixture(scope="module")
-def mini_data(tmp_path_factory: pytest.TempPathFactory, small_data: Path) -> Path:
-    """400 train pairs: about 9 batches an epoch at the tiny config's batch_tokens."""
-    out = tmp_path_factory.mktemp("multi30k_mini")
-    for split, n in (("train", 400), ("val", 30), ("test_2016_flickr", 30)):
-        for lang in ("de", "en"):
-            lines = (small_data / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(keepends=True)
-            (out / f"{split}.{lang}").write_text("".join(lines[:n]), encoding="utf-8")
-    return out
-
-
 def mini_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
     return tiny_args(data_dir, run_dir, "--set", "train.eval_sentences=10", "--set", "train.log_every=1", *extra)
 
