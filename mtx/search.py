@@ -51,7 +51,7 @@ def _next_log_probs(
 def _drop_rows(keep: torch.Tensor, cache: KVCache | None, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """Keep rows `keep` of every per-row tensor and of the cache (self and cross)."""
     if cache is not None:
-        cache.reorder(keep, cross=True)
+        cache.reorder(keep, keep)
     return [t.index_select(0, keep) for t in tensors]
 
 
@@ -127,8 +127,8 @@ def beam_search(
     src_mask = make_src_mask(src)
     memory = model.encode(src, src_mask)
     max_lens = max_output_lengths(src, max_len_a, max_len_b, model).tolist()
-    expand = torch.arange(n, device=device).repeat_interleave(k)
-    memory, src_mask = memory.index_select(0, expand), src_mask.index_select(0, expand)  # (n*K, ...)
+    # memory and src_mask keep one row per sentence: the decoder's cross-attention serves the K
+    # beam rows of a sentence from it (rows g*K .. g*K+K-1 belong to sentence group g)
     cache = model.new_cache() if use_cache else None
     sentences = list(range(n))  # original sentence of each running group of K rows
     tokens = torch.full((n * k, 1), BOS, dtype=torch.long, device=device)
@@ -177,7 +177,10 @@ def beam_search(
         if len(keep) < m:
             groups = torch.tensor(keep, dtype=torch.long, device=device)
             keep_rows = (groups[:, None] * k + torch.arange(k, device=device)).view(-1)
-            tokens, memory, src_mask = _drop_rows(keep_rows, cache, tokens, memory, src_mask)
+            tokens = tokens.index_select(0, keep_rows)
+            memory, src_mask = memory.index_select(0, groups), src_mask.index_select(0, groups)
+            if cache is not None:
+                cache.reorder(keep_rows, groups)
             scores = scores.index_select(0, groups)
             sentences = [sentences[i] for i in keep]
 

@@ -70,6 +70,28 @@ def test_cached_and_uncached_decoder_logits_agree(pre_norm: bool) -> None:
     assert torch.allclose(torch.cat([first, rest], dim=1), full, atol=1e-5)
 
 
+@pytest.mark.parametrize("cached", [True, False])
+def test_beams_sharing_one_memory_row_equal_an_expanded_memory(cached: bool) -> None:
+    """Beam search gives K target rows per sentence and one memory row: the same logits as K copies."""
+    model, k = _model(), 3
+    src = _src()
+    mask = make_src_mask(src)
+    memory = model.encode(src, mask)
+    tgt = torch.randint(4, V, (2 * k, 4))
+    tgt[:, 0] = BOS
+    expand = torch.arange(2).repeat_interleave(k)
+    if cached:
+        shared_cache, expanded_cache = model.new_cache(), model.new_cache()
+        shared = [model.decode(tgt[:, t : t + 1], memory, mask, shared_cache) for t in range(tgt.shape[1])]
+        expanded = [
+            model.decode(tgt[:, t : t + 1], memory[expand], mask[expand], expanded_cache) for t in range(tgt.shape[1])
+        ]
+        shared, expanded = torch.cat(shared, dim=1), torch.cat(expanded, dim=1)
+    else:
+        shared, expanded = model.decode(tgt, memory, mask), model.decode(tgt, memory[expand], mask[expand])
+    assert torch.allclose(shared, expanded, atol=1e-5)
+
+
 def test_weight_tying() -> None:
     joint = _model(joint=True)
     assert joint.src_embed is joint.tgt_embed and joint.output_proj is None
