@@ -180,7 +180,7 @@ class Attention(nn.Module):
 def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """softmax(q k^T / sqrt(Dh)) v without dropout: (B, H, L, Dh) -> (B, H, L, Dh). For one query
     position (a decoding step) it is 2-3x faster on CPU than SDPA's kernels."""
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, 1, S)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, L, S)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
