@@ -226,10 +226,10 @@ def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
     usually adds a little BLEU (Vaswani et al. averaged the last 5 or 20)."""
     if not paths:
         raise CheckpointError("no checkpoints to average")
-    first = load_checkpoint(paths[0])
+    first = last = load_checkpoint(paths[0])
     sums = {k: v.double().clone() if v.is_floating_point() else v for k, v in first["model"].items()}
     for path in paths[1:]:
-        ckpt = load_checkpoint(path)
+        ckpt = last = load_checkpoint(path)
         if ckpt.get("vocab") != first.get("vocab") or ckpt["model"].keys() != sums.keys():
             raise CheckpointError(f"{path}: not from the same run as {paths[0]} (vocabulary or parameters differ)")
         for k, v in ckpt["model"].items():
@@ -244,7 +244,7 @@ def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
         "model": averaged,
         "config": first["config"],
         "vocab": first["vocab"],
-        "step": int(ckpt.get("step", 0)) if len(paths) > 1 else int(first.get("step", 0)),
+        "step": int(last.get("step", 0)),  # the newest averaged step
         "averaged_from": [p.name for p in paths],
     }
 

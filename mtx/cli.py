@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -127,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_train(args: argparse.Namespace) -> int:
     from mtx.checkpoint import load_run_config
     from mtx.config import load_config
-    from mtx.train import fit
+    from mtx.train import Ranks, fit
 
     if args.resume:
         if args.run_dir is None:
@@ -143,7 +142,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
     run_dir = args.run_dir or Path("runs") / args.config.stem
     state = fit(cfg, run_dir, resume=args.resume)
-    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports
+    if not Ranks.from_env().is_main:  # under torchrun only rank 0 reports
         return 0
     print(json.dumps({"run_dir": str(run_dir), "step": state.step, "best_val_bleu": round(state.best_bleu, 2)}))
     return 0
