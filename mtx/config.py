@@ -62,6 +62,7 @@ class TrainConfig:
 
     max_steps: int = 10000
     max_epochs: int = 0  # 0: no epoch limit
+    max_minutes: float = 0.0  # wall-time budget of the training loop (resumes included); 0: none
     batch_tokens: int = 4096
     accum_steps: int = 1
     lr: float = 7e-4
@@ -131,6 +132,7 @@ _POSITIVE = {
 }
 _NON_NEGATIVE = {
     "train.max_epochs",
+    "train.max_minutes",
     "train.warmup_steps",
     "train.weight_decay",
     "train.clip_norm",

@@ -611,7 +611,9 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def fit(self, stop: StopRequest | None = None) -> TrainState:
-        """Train to train.max_steps (or max_epochs, patience); a stop signal saves last.pt and raises Interrupted.
+        """Train to train.max_steps (or max_epochs, max_minutes, patience).
+
+        A stop signal saves last.pt and raises Interrupted.
 
         Under DDP every rank runs this loop in step: the same number of batches per epoch, the
         stop signal agreed at each step, validation on rank 0 while the others wait."""
@@ -715,6 +717,9 @@ class Trainer:
                 if at_eval and self._evaluate(metrics):
                     stop_reason = f"no val BLEU gain in {tc.patience} evaluations (train.patience)"
                     break
+                if self._out_of_time():
+                    stop_reason = f"used the time budget train.max_minutes={tc.max_minutes:g}"
+                    break
         finally:
             bar.close()
             if metrics is not None:
@@ -730,6 +735,13 @@ class Trainer:
             st.elapsed,
         )
         return st
+
+    def _out_of_time(self) -> bool:
+        """True once the loop has used train.max_minutes (rank 0's clock, asked every log_every steps under DDP)."""
+        budget = self.cfg.train.max_minutes
+        if not budget or (self.ranks.world_size > 1 and self.state.step % self.cfg.train.log_every):
+            return False
+        return self._from_main(self.state.elapsed >= 60 * budget)
 
     def _evaluate(self, metrics: Any) -> bool:
         """Validate, log, save step/best/last checkpoints; True when patience ran out.

@@ -7,7 +7,7 @@ import torch
 
 from mtx.checkpoint import LoadedRun, load_run
 from mtx.data import pad_ids, read_lines
-from mtx.search import beam_search, greedy_search, length_penalty, translate_ids
+from mtx.search import beam_search, greedy_search, length_penalty, top_candidates, translate_ids
 from mtx.tokenizer import EOS
 
 
@@ -19,6 +19,21 @@ def run(tiny_run: Path) -> LoadedRun:
 @pytest.fixture(scope="module")
 def src_ids(run: LoadedRun, small_data: Path) -> list[list[int]]:
     return run.src_tok.encode_batch(read_lines(small_data / "val.de")[:40])
+
+
+@pytest.mark.parametrize("vocab", [8000, 8003, 70, 12])
+def test_block_top_candidates_equal_a_full_topk(vocab: int) -> None:
+    torch.manual_seed(vocab)
+    m, k, n = 7, 5, 10
+    log_probs = torch.randn(m, k, vocab) * 4
+    log_probs[0, :, : vocab - 3] = float("-inf")  # a row forced to end: few finite tokens
+    scores = torch.randn(m, k) * 10
+    scores[1, 1:] = float("-inf")  # first step: only beam 0 is alive
+    want = (scores[:, :, None] + log_probs).view(m, k * vocab).topk(n, dim=1)
+    values, index = top_candidates(scores, log_probs, n)
+    assert torch.equal(values, want.values)
+    finite = torch.isfinite(want.values)  # -inf candidates tie, so any of them may come back
+    assert torch.equal(index[finite], want.indices[finite])
 
 
 def _batch(ids: list[list[int]]) -> torch.Tensor:

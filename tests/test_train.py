@@ -67,3 +67,16 @@ def test_bf16_converges_like_fp32(tmp_path: Path, small_data: Path) -> None:
         losses[amp] = _final_loss(run)
     assert losses["fp32"] < 5.5  # it did learn (starts near ln(1000) = 6.9)
     assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.1)
+
+
+def test_time_budget_stops_early_then_validates_and_saves(tmp_path: Path, small_data: Path) -> None:
+    run = tmp_path / "budget"
+    extra = ("--set", "train.max_steps=100000", "--set", "train.eval_every=100000", "--set", "train.max_minutes=0.002")
+    assert main(tiny_args(small_data, run, *extra)) == 0
+    log_text = (run / "train.log").read_text()
+    assert "used the time budget train.max_minutes=0.002" in log_text
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    step = torch.load(run / "checkpoints" / "last.pt", weights_only=False)["step"]
+    assert 0 < step < 100000
+    assert (run / "checkpoints" / "best.pt").is_file()  # the final validation ran and kept a best model
+    assert all(e["step"] <= step for e in events)
