@@ -7,7 +7,7 @@ CONFIG ?= configs/multi30k_de_en.yaml
 RUN_DIR ?= runs/$(basename $(notdir $(CONFIG)))
 ARGS ?=
 
-.PHONY: install train test lint format bench bench-train bench-decode clean
+.PHONY: install train test lint format bench bench-train bench-decode bench-ct2 clean
 
 # torch is pinned first: the pin takes the CPU wheel on this machine (a regular build elsewhere);
 # pyproject.toml keeps the honest range torch>=2.4, which the pinned install already satisfies.
@@ -40,6 +40,11 @@ bench-train: $(STAMP)
 
 bench-decode: $(STAMP)
 	$(BIN)/python scripts/bench_decode.py $(ARGS)
+
+# mtx beside CTranslate2 on a trained run: make bench-ct2 ARGS="--run runs/multi30k_de_en"
+bench-ct2: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[compare]'
+	$(BIN)/python scripts/bench_ctranslate2.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
