@@ -5,7 +5,11 @@ sinusoidal positions and Adam; settings are timed alternately (A B C A B C ...) 
 noise hits all of them alike. The last line is JSON for scripts.
 
     python scripts/bench_train.py [--config configs/multi30k_de_en.yaml] [--set KEY=VALUE ...]
-        [--steps 12] [--warmup 3] [--threads 2] [--compile]
+        [--steps 12] [--warmup 3] [--threads 2] [--compile] [--ablate]
+
+`--ablate` also times mtx with one of its speed changes undone at a time (torch's dropout,
+unfused loss, loss over all padded positions, for-loop Adam, zeroed instead of freed gradients),
+which measures what each change buys on this machine.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.config import Config, ModelConfig, load_config  # noqa: E402
 from mtx.data import Batch, ParallelIds, load_corpus, padding_fraction, plan_batches, resolve_data_dir, texts  # noqa: E402
-from mtx.model import Seq2Seq, sinusoidal_positions  # noqa: E402
+from mtx.model import Dropout, Seq2Seq, make_src_mask, sinusoidal_positions  # noqa: E402
 from mtx.tokenizer import PAD, train_bpe  # noqa: E402
 from mtx.train import autocast, label_smoothed_loss, make_optimizer  # noqa: E402
 
@@ -96,13 +100,56 @@ def matmul_peak(dtype: torch.dtype, tokens: int, d: int, f: int) -> float:
     return best
 
 
-def make_step(model: nn.Module, cfg: Config, amp: torch.dtype | None, reference: bool) -> Callable[[Batch], None]:
+# --ablate: each undoes one of mtx's speed changes (the model's own, or the training step's)
+ABLATIONS = {
+    "torch dropout": "nn.Dropout (bernoulli_ masks) instead of mtx's 16-bit-slice masks",
+    "unfused loss": "F.cross_entropy on the non-padding logits instead of the fused chunked loss",
+    "padded loss": "all B x T positions projected to the vocabulary, F.cross_entropy(ignore_index)",
+    "for-loop Adam": "torch.optim.Adam(foreach=False) instead of fused=True",
+    "zeroed grads": "zero_grad(set_to_none=False)",
+}
+
+
+def with_torch_dropout(model: Seq2Seq) -> Seq2Seq:
+    """`model` with every mtx Dropout swapped for torch.nn.Dropout of the same rate."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Dropout):
+                setattr(module, name, nn.Dropout(child.p))
+    return model
+
+
+def _mtx_loss(model: Seq2Seq, batch: Batch, smoothing: float, ablation: str) -> torch.Tensor:
+    if ablation not in ("unfused loss", "padded loss"):
+        return label_smoothed_loss(model, batch, smoothing)
+    src_mask = make_src_mask(batch.src)
+    states = model.decoder_states(batch.tgt_in, model.encode(batch.src, src_mask), src_mask)
+    target = batch.tgt_out
+    if ablation == "unfused loss":
+        keep = target != PAD
+        states, target = states[keep], target[keep]
+    logits = model.project(states)
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        target.reshape(-1),
+        ignore_index=PAD,
+        label_smoothing=smoothing,
+        reduction="sum",
+    )
+
+
+def make_step(
+    model: nn.Module, cfg: Config, amp: torch.dtype | None, reference: bool, ablation: str = ""
+) -> Callable[[Batch], None]:
     device = torch.device("cpu")
     if reference:
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    elif ablation == "for-loop Adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, foreach=False)
     else:
         optimizer = make_optimizer(model, cfg.train, device)
     smoothing = cfg.train.label_smoothing
+    set_to_none = not reference and ablation != "zeroed grads"
 
     def step(batch: Batch) -> None:
         model.train()
@@ -117,11 +164,11 @@ def make_step(model: nn.Module, cfg: Config, amp: torch.dtype | None, reference:
                     reduction="sum",
                 )
             else:
-                loss = label_smoothed_loss(model, batch, smoothing)
+                loss = _mtx_loss(model, batch, smoothing, ablation)
         (loss / batch.n_tgt_tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_norm)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=not reference)
+        optimizer.zero_grad(set_to_none=set_to_none)
 
     return step
 
@@ -134,6 +181,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per setting")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also time mtx under torch.compile")
+    parser.add_argument("--ablate", action="store_true", help="also time mtx with each speed change undone")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -165,7 +213,14 @@ def main() -> None:
             amp,
             False,
         )
-    steps = {name: make_step(m, cfg, amp, ref) for name, (m, amp, ref) in settings.items()}
+    ablations = {}
+    if args.ablate:
+        for what in ABLATIONS:
+            model = Seq2Seq(cfg.model, vocab, vocab, joint_vocab=True)
+            name = f"mtx fp32 - {what}"
+            settings[name] = (with_torch_dropout(model) if what == "torch dropout" else model, None, False)
+            ablations[name] = what
+    steps = {name: make_step(m, cfg, amp, ref, ablations.get(name, "")) for name, (m, amp, ref) in settings.items()}
 
     for name, step in steps.items():
         start = time.perf_counter()
@@ -212,7 +267,9 @@ def main() -> None:
         print(f"torch.compile warmup (compile + {args.warmup} steps): {compile_seconds:.1f} s")
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"peak RSS of this process (all models together): {peak_rss:.2f} GiB; padding {pad:.1%}")
-    best = max((n for n in rates if n != ref_name), key=rates.get)
+    for name, what in ablations.items():
+        print(f"{name}: {ABLATIONS[what]}; mtx fp32 is {rates['mtx fp32'] / rates[name]:.2f}x as fast")
+    best = max((n for n in rates if n != ref_name and n not in ablations), key=rates.get)
     print(
         json.dumps(
             {
@@ -224,6 +281,7 @@ def main() -> None:
                 "padding_fraction": round(pad, 4),
                 "peak_rss_gib": round(peak_rss, 3),
                 "compile_seconds": None if compile_seconds is None else round(compile_seconds, 1),
+                "ablation_gains": {what: round(rates["mtx fp32"] / rates[n], 3) for n, what in ablations.items()},
             }
         )
     )
