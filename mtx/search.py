@@ -112,7 +112,7 @@ def greedy_search(
         forced = [i for i, r in enumerate(rows) if max_lens[r] <= step]
         if forced:
             _force_eos(log_probs, forced)
-        best, token = log_probs.max(dim=-1)  # (for one row per group, max is cheaper than top_candidates)
+        best, token = log_probs.max(dim=-1)  # one row per sentence: max is cheaper than top_candidates
         sums = sums + best
         tokens = torch.cat([tokens, token[:, None]], dim=1)
         ended = token.tolist()

@@ -720,12 +720,12 @@ class Trainer:
                 if self._out_of_time():
                     stop_reason = f"used the time budget train.max_minutes={tc.max_minutes:g}"
                     break
+            if st.step % tc.eval_every and st.step != tc.max_steps:  # stopped between validations
+                self._evaluate(metrics)
         finally:
             bar.close()
             if metrics is not None:
                 metrics.close()
-        if st.step % tc.eval_every and st.step != tc.max_steps:
-            self._evaluate(None)
         self.save()
         log.info(
             "done: %s; best val BLEU %.2f at step %d; %.0f s of training",

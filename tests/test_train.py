@@ -80,3 +80,15 @@ def test_time_budget_stops_early_then_validates_and_saves(tmp_path: Path, small_
     assert 0 < step < 100000
     assert (run / "checkpoints" / "best.pt").is_file()  # the final validation ran and kept a best model
     assert all(e["step"] <= step for e in events)
+    assert [e["step"] for e in events if e["event"] == "valid"] == [step]  # the last step, recorded for mtx plot
+
+
+def test_patience_stops_when_val_bleu_stops_improving(tmp_path: Path, small_data: Path) -> None:
+    run = tmp_path / "patience"
+    # an lr of 1e-12 leaves the model, hence val BLEU, unchanged: the 2nd validation brings no gain
+    extra = ["--set", "train.max_steps=1000", "--set", "train.eval_every=2", "--set", "train.patience=1"]
+    assert main(tiny_args(small_data, run, *extra, "--set", "train.lr=1e-12", "--set", "train.eval_sentences=20")) == 0
+    assert "no val BLEU gain in 1 evaluations (train.patience)" in (run / "train.log").read_text()
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "valid"] == [2, 4]
+    assert torch.load(run / "checkpoints" / "last.pt", weights_only=False)["step"] == 4
