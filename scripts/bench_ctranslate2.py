@@ -1,14 +1,18 @@
 """mtx beside CTranslate2: decoding speed of one trained model on the same machine.
 
 Converts a trained mtx run to a CTranslate2 model (float32, the same weights), then decodes
-test_2016_flickr with both in the same batches, greedy and beam 5, timed alternately per batch
-(mtx greedy, CTranslate2 greedy, mtx beam, CTranslate2 beam, ...) on the same number of threads.
+test_2016_flickr with both in the same batches, greedy and beam 5, on the same number of threads.
+Settings take turns by whole passes over the split (`--rounds` of them), not by batch: each
+engine's idle worker threads keep spinning for a while after it returns and would slow the other
+engine's next batch, so per-batch turns measure the interference more than either engine.
+CTranslate2 runs in a child process and times itself there: a Translator in the same process as
+torch made torch about 2.5x slower even while the Translator was idle.
 Prints sentences/s, output tokens/s, mean output length and how often the two give the same
 output (greedy must agree almost always, or the conversion is wrong); the last line is JSON.
 Needs `pip install ctranslate2` (not a dependency of mtx).
 
     python scripts/bench_ctranslate2.py --run runs/NAME [--threads 2] [--batch-sentences 64]
-        [--beam 5] [--sentences N] [--split test_2016_flickr]
+        [--beam 5] [--sentences N] [--split test_2016_flickr] [--rounds 2]
 
 The two engines differ in what they do besides speed: CTranslate2 normalises beam scores by
 length ** alpha where mtx uses the GNMT penalty, and stops a sentence once its best beam has
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import sys
 import tempfile
 import time
@@ -103,6 +108,28 @@ def convert(run: LoadedRun, out_dir: Path) -> None:
     spec.save(str(out_dir))
 
 
+def _ct2_worker(conn: Any, model_dir: str, threads: int, batches: list[Any], alpha: float) -> None:
+    """Child process: decode every batch with CTranslate2 for each beam size asked, timing it."""
+    import ctranslate2
+
+    translator = ctranslate2.Translator(
+        model_dir, device="cpu", compute_type="float32", intra_threads=threads, inter_threads=1
+    )
+    while (beam := conn.recv()) is not None:
+        start = time.perf_counter()
+        out = []
+        for tokens, limit in batches:
+            results = translator.translate_batch(
+                tokens,
+                beam_size=beam,
+                length_penalty=alpha if beam > 1 else 0.0,
+                max_decoding_length=limit,
+                max_batch_size=0,
+            )
+            out += [r.hypotheses[0] for r in results]
+        conn.send((time.perf_counter() - start, out))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, required=True, help="trained mtx run directory")
@@ -111,6 +138,7 @@ def main() -> None:
     parser.add_argument("--batch-sentences", type=int, default=64)
     parser.add_argument("--beam", type=int, default=5)
     parser.add_argument("--sentences", type=int, default=0, help="first N sentences only (0: all)")
+    parser.add_argument("--rounds", type=int, default=2, help="timed passes over the split per setting")
     args = parser.parse_args()
     try:
         import ctranslate2
@@ -134,58 +162,64 @@ def main() -> None:
     src_vocab, tgt_vocab = _vocab(run.src_tok), _vocab(run.tgt_tok)
     tgt_index = {t: i for i, t in enumerate(tgt_vocab)}
 
-    with tempfile.TemporaryDirectory() as tmp:
-        convert(run, Path(tmp) / "ct2")
-        translator = ctranslate2.Translator(
-            str(Path(tmp) / "ct2"), device="cpu", compute_type="float32", intra_threads=args.threads, inter_threads=1
-        )
+    limits = [int(max_output_lengths(pad_ids(x, suffix=EOS), a, b, run.model).max()) - 1 for x in batches]
+    ct2_batches = [([[src_vocab[i] for i in s] for s in x], limit) for x, limit in zip(batches, limits, strict=True)]
 
-        def mtx_decode(batch: list[list[int]], beam: int) -> list[list[int]]:
+    def mtx_pass(beam: int) -> tuple[float, list[list[int]]]:
+        start = time.perf_counter()
+        out = []
+        for batch in batches:
             x = pad_ids(batch, suffix=EOS)
             if beam == 1:
-                return [h.tokens for h in greedy_search(run.model, x, a, b)]
-            return [h[0].tokens for h in beam_search(run.model, x, beam, alpha, a, b)]
+                out += [h.tokens for h in greedy_search(run.model, x, a, b)]
+            else:
+                out += [h[0].tokens for h in beam_search(run.model, x, beam, alpha, a, b)]
+        return time.perf_counter() - start, out
 
-        def ct2_decode(batch: list[list[int]], beam: int) -> list[list[int]]:
-            x = pad_ids(batch, suffix=EOS)
-            limit = int(max_output_lengths(x, a, b, run.model).max()) - 1  # mtx's limit counts EOS
-            results = translator.translate_batch(
-                [[src_vocab[i] for i in s] for s in batch],
-                beam_size=beam,
-                length_penalty=alpha if beam > 1 else 0.0,
-                max_decoding_length=limit,
-                max_batch_size=0,
-            )
-            return [[tgt_index[t] for t in r.hypotheses[0]] for r in results]
+    with tempfile.TemporaryDirectory() as tmp:
+        convert(run, Path(tmp) / "ct2")
+        # CTranslate2 runs in its own process: a Translator in this one slows torch's threads
+        # about 2.5x even while it is idle (measured), which would time the clash, not mtx
+        parent, child = mp.get_context("spawn").Pipe()
+        worker = mp.get_context("spawn").Process(
+            target=_ct2_worker, args=(child, str(Path(tmp) / "ct2"), args.threads, ct2_batches, alpha), daemon=True
+        )
+        worker.start()
+
+        def ct2_pass(beam: int) -> tuple[float, list[list[int]]]:
+            parent.send(beam)
+            seconds, tokens = parent.recv()  # timed inside the worker
+            return seconds, [[tgt_index[t] for t in hyp] for hyp in tokens]
 
         settings = {
-            "mtx greedy": (mtx_decode, 1),
-            "ctranslate2 greedy": (ct2_decode, 1),
-            f"mtx beam {args.beam}": (mtx_decode, args.beam),
-            f"ctranslate2 beam {args.beam}": (ct2_decode, args.beam),
+            "mtx greedy": (mtx_pass, 1),
+            "ctranslate2 greedy": (ct2_pass, 1),
+            f"mtx beam {args.beam}": (mtx_pass, args.beam),
+            f"ctranslate2 beam {args.beam}": (ct2_pass, args.beam),
         }
         for fn, beam in settings.values():  # warm up
-            fn(batches[0], beam)
+            fn(beam)
         seconds = dict.fromkeys(settings, 0.0)
-        outputs: dict[str, list[list[int]]] = {name: [] for name in settings}
-        with torch.inference_mode():
-            for batch in batches:
-                for name, (fn, beam) in settings.items():
-                    start = time.perf_counter()
-                    hyps = fn(batch, beam)
-                    seconds[name] += time.perf_counter() - start
-                    outputs[name] += hyps
+        outputs: dict[str, list[list[int]]] = {}
+        for _ in range(args.rounds):
+            for name, (fn, beam) in settings.items():
+                took, outputs[name] = fn(beam)
+                seconds[name] += took
+        parent.send(None)
+        worker.join()
 
     n = len(src)
-    tokens = {name: sum(len(h) + 1 for h in outs) for name, outs in outputs.items()}  # + EOS
+    decoded = n * args.rounds  # sentences decoded per setting
+    tokens = {name: args.rounds * sum(len(h) + 1 for h in outs) for name, outs in outputs.items()}  # + EOS
     m = cfg.model
     print(f"{args.run}: {m.d_model}d {m.n_encoder_layers}+{m.n_decoder_layers} layers, ", end="")
-    print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences), {args.threads} threads, ", end="")
+    print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences, {args.rounds} passes), ", end="")
+    print(f"{args.threads} threads, ", end="")
     print(f"batches of {args.batch_sentences}; CTranslate2 {ctranslate2.__version__} float32")
     print(f"{'setting':22s} {'sent/s':>8s} {'out tok/s':>10s} {'mean len':>9s} {'seconds':>8s}")
     for name in settings:
-        print(f"{name:22s} {n / seconds[name]:8.1f} {tokens[name] / seconds[name]:10.0f} ", end="")
-        print(f"{tokens[name] / n:9.2f} {seconds[name]:8.2f}")
+        print(f"{name:22s} {decoded / seconds[name]:8.1f} {tokens[name] / seconds[name]:10.0f} ", end="")
+        print(f"{tokens[name] / decoded:9.2f} {seconds[name]:8.2f}")
     beam_name = f"beam {args.beam}"
     same = {
         kind: sum(x == y for x, y in zip(outputs[f"mtx {kind}"], outputs[f"ctranslate2 {kind}"], strict=True)) / n
