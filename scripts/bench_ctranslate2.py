@@ -35,8 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_decode import split_batches  # noqa: E402
+
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
-from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
+from mtx.data import pad_ids  # noqa: E402
 from mtx.search import beam_search, greedy_search, max_output_lengths  # noqa: E402
 from mtx.tokenizer import BPE, EOS  # noqa: E402
 
@@ -77,24 +79,24 @@ def convert(run: LoadedRun, out_dir: Path) -> None:
     if cfg.pre_norm:
         _norm(spec.encoder.layer_norm, model.encoder_norm)
         _norm(spec.decoder.layer_norm, model.decoder_norm)
-    for s, layer in zip(spec.encoder.layer, model.encoder_layers, strict=True):
+    layers = [
+        (s, layer, layer.sub_attn.norm) for s, layer in zip(spec.encoder.layer, model.encoder_layers, strict=True)
+    ]
+    layers += [
+        (s, layer, layer.sub_self.norm) for s, layer in zip(spec.decoder.layer, model.decoder_layers, strict=True)
+    ]
+    for s, layer, self_norm in layers:
         _linear(s.self_attention.linear[0], layer.self_attn.qkv_proj)
         _linear(s.self_attention.linear[1], layer.self_attn.out_proj)
-        _norm(s.self_attention.layer_norm, layer.sub_attn.norm)
+        _norm(s.self_attention.layer_norm, self_norm)
         _linear(s.ffn.linear_0, layer.ffn.fc1)
         _linear(s.ffn.linear_1, layer.ffn.fc2)
         _norm(s.ffn.layer_norm, layer.sub_ffn.norm)
     for s, layer in zip(spec.decoder.layer, model.decoder_layers, strict=True):
-        _linear(s.self_attention.linear[0], layer.self_attn.qkv_proj)
-        _linear(s.self_attention.linear[1], layer.self_attn.out_proj)
-        _norm(s.self_attention.layer_norm, layer.sub_self.norm)
         _linear(s.attention.linear[0], layer.cross_attn.q_proj)
         _linear(s.attention.linear[1], layer.cross_attn.kv_proj)
         _linear(s.attention.linear[2], layer.cross_attn.out_proj)
         _norm(s.attention.layer_norm, layer.sub_cross.norm)
-        _linear(s.ffn.linear_0, layer.ffn.fc1)
-        _linear(s.ffn.linear_1, layer.ffn.fc2)
-        _norm(s.ffn.layer_norm, layer.sub_ffn.norm)
     projection = model.tgt_embed.tokens.weight if model.output_proj is None else model.output_proj.weight
     spec.decoder.projection.weight = _np(projection)
     spec.register_source_vocabulary(_vocab(run.src_tok))
@@ -148,16 +150,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     run = load_run(args.run)
     cfg = run.cfg
-    src, _ = read_parallel(
-        split_file(Path(cfg.data.dir), args.split, cfg.data.src_lang),
-        split_file(Path(cfg.data.dir), args.split, cfg.data.tgt_lang),
-    )
-    if args.sentences:
-        src = src[: args.sentences]
-    ids = run.src_tok.encode_batch(src)
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    size = args.batch_sentences
-    batches = [[ids[i] for i in order[j : j + size]] for j in range(0, len(order), size)]
+    n, batches = split_batches(run, args.split, args.sentences, args.batch_sentences)
     a, b, alpha = cfg.decode.max_len_a, cfg.decode.max_len_b, cfg.decode.length_penalty
     src_vocab, tgt_vocab = _vocab(run.src_tok), _vocab(run.tgt_tok)
     tgt_index = {t: i for i, t in enumerate(tgt_vocab)}
@@ -208,7 +201,6 @@ def main() -> None:
         parent.send(None)
         worker.join()
 
-    n = len(src)
     decoded = n * args.rounds  # sentences decoded per setting
     tokens = {name: args.rounds * sum(len(h) + 1 for h in outs) for name, outs in outputs.items()}  # + EOS
     m = cfg.model

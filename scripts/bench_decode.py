@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtx.checkpoint import load_run  # noqa: E402
+from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.cli import main as mtx_main  # noqa: E402
 from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
 from mtx.search import beam_search, greedy_search  # noqa: E402
@@ -33,6 +33,23 @@ SETTINGS = {
     "beam 5, cache": (5, True),
     "beam 5, no cache": (5, False),
 }
+
+
+def split_batches(
+    run: LoadedRun, split: str, sentences: int, batch_sentences: int
+) -> tuple[int, list[list[list[int]]]]:
+    """How many sentences of `split` (the first `sentences`, or all when 0), and their source ids
+    sorted by length and cut into batches of `batch_sentences`."""
+    cfg = run.cfg
+    src, _ = read_parallel(
+        split_file(Path(cfg.data.dir), split, cfg.data.src_lang),
+        split_file(Path(cfg.data.dir), split, cfg.data.tgt_lang),
+    )
+    if sentences:
+        src = src[:sentences]
+    ids = run.src_tok.encode_batch(src)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    return len(ids), [[ids[i] for i in order[j : j + batch_sentences]] for j in range(0, len(order), batch_sentences)]
 
 
 def main() -> None:
@@ -59,18 +76,8 @@ def main() -> None:
                 raise SystemExit("training the benchmark run failed")
     run = load_run(run_dir)
     cfg = run.cfg
-    src, _ = read_parallel(
-        split_file(Path(cfg.data.dir), args.split, cfg.data.src_lang),
-        split_file(Path(cfg.data.dir), args.split, cfg.data.tgt_lang),
-    )
-    if args.sentences:
-        src = src[: args.sentences]
-    ids = run.src_tok.encode_batch(src)
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    batches = [
-        pad_ids([ids[i] for i in order[j : j + args.batch_sentences]], suffix=EOS)
-        for j in range(0, len(order), args.batch_sentences)
-    ]
+    n, id_batches = split_batches(run, args.split, args.sentences, args.batch_sentences)
+    batches = [pad_ids(batch, suffix=EOS) for batch in id_batches]
     a = 1.5 if args.no_length_cap else cfg.decode.max_len_a
     b = cfg.decode.max_len_b
     alpha = cfg.decode.length_penalty
@@ -92,7 +99,6 @@ def main() -> None:
             out_tokens[name] += sum(len(h) + 1 for h in hyps)  # + EOS
             outputs[name] += hyps
 
-    n = len(src)
     print(f"{run_dir}: {cfg.model.d_model}d {cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers} layers, ", end="")
     print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences), {args.threads} threads, ", end="")
     print(f"batches of {args.batch_sentences} sentences, max length {a}*src+{b}")
