@@ -35,11 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_decode import split_batches  # noqa: E402
+from bench_decode import decode_tokens, split_batches  # noqa: E402
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.data import pad_ids  # noqa: E402
-from mtx.search import beam_search, greedy_search, max_output_lengths  # noqa: E402
+from mtx.search import max_output_lengths  # noqa: E402
 from mtx.tokenizer import BPE, EOS  # noqa: E402
 
 
@@ -155,18 +155,13 @@ def main() -> None:
     src_vocab, tgt_vocab = _vocab(run.src_tok), _vocab(run.tgt_tok)
     tgt_index = {t: i for i, t in enumerate(tgt_vocab)}
 
-    limits = [int(max_output_lengths(pad_ids(x, suffix=EOS), a, b, run.model).max()) - 1 for x in batches]
+    padded = [pad_ids(x, suffix=EOS) for x in batches]
+    limits = [int(max_output_lengths(x, a, b, run.model).max()) - 1 for x in padded]  # mtx's limit counts EOS
     ct2_batches = [([[src_vocab[i] for i in s] for s in x], limit) for x, limit in zip(batches, limits, strict=True)]
 
     def mtx_pass(beam: int) -> tuple[float, list[list[int]]]:
         start = time.perf_counter()
-        out = []
-        for batch in batches:
-            x = pad_ids(batch, suffix=EOS)
-            if beam == 1:
-                out += [h.tokens for h in greedy_search(run.model, x, a, b)]
-            else:
-                out += [h[0].tokens for h in beam_search(run.model, x, beam, alpha, a, b)]
+        out = [hyp for x in padded for hyp in decode_tokens(run, x, beam, a, b, alpha)]
         return time.perf_counter() - start, out
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -52,6 +52,15 @@ def split_batches(
     return len(ids), [[ids[i] for i in order[j : j + batch_sentences]] for j in range(0, len(order), batch_sentences)]
 
 
+def decode_tokens(
+    run: LoadedRun, batch: torch.Tensor, beam: int, a: float, b: int, alpha: float, cache: bool = True
+) -> list[list[int]]:
+    """Output ids of a padded (B, S) batch: greedy for beam 1, else the best of a beam search."""
+    if beam == 1:
+        return [h.tokens for h in greedy_search(run.model, batch, a, b, use_cache=cache)]
+    return [h[0].tokens for h in beam_search(run.model, batch, beam, alpha, a, b, use_cache=cache)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, help="trained run directory (default: train one)")
@@ -83,9 +92,7 @@ def main() -> None:
     alpha = cfg.decode.length_penalty
 
     def decode(batch: torch.Tensor, beam: int, cache: bool) -> list[list[int]]:
-        if beam == 1:
-            return [h.tokens for h in greedy_search(run.model, batch, a, b, use_cache=cache)]
-        return [h[0].tokens for h in beam_search(run.model, batch, beam, alpha, a, b, use_cache=cache)]
+        return decode_tokens(run, batch, beam, a, b, alpha, cache)
 
     decode(batches[0], 5, True)  # warm up
     seconds = dict.fromkeys(SETTINGS, 0.0)

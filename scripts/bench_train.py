@@ -142,9 +142,7 @@ def make_step(
     model: nn.Module, cfg: Config, amp: torch.dtype | None, reference: bool, ablation: str = ""
 ) -> Callable[[Batch], None]:
     device = torch.device("cpu")
-    if reference:
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-    elif ablation == "for-loop Adam":
+    if reference or ablation == "for-loop Adam":  # foreach=False: what torch picks for CPU tensors anyway
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, foreach=False)
     else:
         optimizer = make_optimizer(model, cfg.train, device)
