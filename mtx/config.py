@@ -66,7 +66,7 @@ class TrainConfig:
     batch_tokens: int = 4096
     accum_steps: int = 1
     lr: float = 7e-4
-    schedule: str = "inverse_sqrt"  # inverse_sqrt | noam | constant
+    schedule: str = "inverse_sqrt"  # inverse_sqrt | noam | constant | linear (to zero at the budget's end)
     warmup_steps: int = 1000
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
@@ -107,7 +107,7 @@ class Config:
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "train.schedule": ("inverse_sqrt", "noam", "constant"),
+    "train.schedule": ("inverse_sqrt", "noam", "constant", "linear"),
     "train.amp": ("auto", "bf16", "fp16", "fp32"),
 }
 _POSITIVE = {

@@ -162,14 +162,24 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContext
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def learning_rate(step: int, cfg: TrainConfig, d_model: int) -> float:
-    """LR for (1-based) update `step`: linear warmup then inverse square root decay.
+def learning_rate(step: int, cfg: TrainConfig, d_model: int, elapsed: float = 0.0) -> float:
+    """LR for (1-based) update `step`, `elapsed` training seconds into the run.
 
-    `noam` is the same shape scaled as in Vaswani et al.: lr * d_model^-0.5 * min(...)."""
+    `inverse_sqrt`: linear warmup then inverse square root decay. `noam`: the same shape scaled
+    as in Vaswani et al., lr * d_model^-0.5 * min(...). `linear`: lr * min(step / warmup, the
+    fraction of the budget left), where the budget ends at train.max_steps or after
+    train.max_minutes, whichever comes first, so the rate reaches zero as training ends even when
+    the time budget stops it (the warmup ramp meets the decay a little below `lr`)."""
     step = max(step, 1)
     warmup = max(cfg.warmup_steps, 1)
+    ramp = min(1.0, step / warmup)
     if cfg.schedule == "constant":
-        return cfg.lr * min(1.0, step / warmup)
+        return cfg.lr * ramp
+    if cfg.schedule == "linear":
+        used = step / cfg.max_steps
+        if cfg.max_minutes:
+            used = max(used, elapsed / (60 * cfg.max_minutes))
+        return cfg.lr * max(0.0, min(ramp, 1.0 - used))
     factor = min(step / warmup, math.sqrt(warmup / step))
     if cfg.schedule == "noam":
         return cfg.lr * d_model**-0.5 * warmup**-0.5 * factor
@@ -583,7 +593,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_norm or float("inf"))
         finite = math.isfinite(total) and bool(torch.isfinite(grad_norm))
         for g in self.optimizer.param_groups:
-            g["lr"] = learning_rate(self.state.step + 1, tc, self.cfg.model.d_model)
+            g["lr"] = learning_rate(self.state.step + 1, tc, self.cfg.model.d_model, self.state.elapsed)
         if finite or self.scaler.is_enabled():
             self.scaler.step(self.optimizer)  # the fp16 scaler itself skips non-finite steps
         self.scaler.update()

@@ -26,6 +26,17 @@ def test_inverse_sqrt_schedule_warms_up_then_decays() -> None:
     assert learning_rate(5, constant, 256) == pytest.approx(5e-4) and learning_rate(500, constant, 256) == 1e-3
 
 
+def test_linear_schedule_reaches_zero_at_the_end_of_steps_or_minutes() -> None:
+    by_steps = TrainConfig(lr=1e-3, warmup_steps=100, max_steps=1000, schedule="linear")
+    assert learning_rate(50, by_steps, 256) == pytest.approx(5e-4)  # warmup ramp
+    assert learning_rate(500, by_steps, 256) == pytest.approx(5e-4)  # half the steps left
+    assert learning_rate(1000, by_steps, 256) == 0.0
+    timed = TrainConfig(lr=1e-3, warmup_steps=100, max_steps=1000, max_minutes=10, schedule="linear")
+    assert learning_rate(200, timed, 256, elapsed=0.0) == pytest.approx(8e-4)  # steps used up faster
+    assert learning_rate(200, timed, 256, elapsed=450.0) == pytest.approx(2.5e-4)  # 3/4 of the minutes used
+    assert learning_rate(200, timed, 256, elapsed=900.0) == 0.0  # past the budget: never negative
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_fused_smoothed_loss_matches_cross_entropy(dtype: torch.dtype, tol: float) -> None:
     torch.manual_seed(0)
