@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,3 +54,18 @@ def test_plot_writes_a_png(run_copy: Path) -> None:
     out = run_copy / "curves.png"
     assert main(["plot", "--run", str(run_copy)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run_copy: Path) -> None:
+    script = Path(__file__).resolve().parent.parent / "scripts" / "choose_on_val.py"
+    args = [sys.executable, str(script), "--run", str(run_copy), "--last", "2", "--length-penalty", "0.6,1.0"]
+    done = subprocess.run([*args, "--apply"], capture_output=True, text=True, check=True)
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("best single") for line in lines)
+    assert any(line.startswith("average of the last 2:") for line in lines)
+    choice = json.loads(lines[-1])
+    assert choice["average_last"] in (0, 2) and choice["length_penalty"] in (0.6, 1.0)
+    penalties = [float(line.rsplit(": ", 1)[1]) for line in lines if line.startswith("  length penalty")]
+    assert len(penalties) == 2 and choice["val_bleu"] == pytest.approx(max(penalties), abs=0.01)
+    best = load_checkpoint(run_copy / "checkpoints" / "best.pt")
+    assert ("averaged_from" in best) == (choice["average_last"] == 2)

@@ -1,0 +1,102 @@
+"""Choose a run's final checkpoint and length penalty on val, never on a test split.
+
+Scores on the run's val split, with the run's beam size: the best single checkpoint, then the
+average of the last N step checkpoints for each N in `--last`, all with the config's length
+penalty; then, on the best of those, each length penalty in `--length-penalty`. BLEU is computed
+as `mtx eval` computes it. With `--apply` the chosen average becomes the run's best.pt (the
+single best is kept as best_single.pt). The last line is JSON for scripts.
+
+    python scripts/choose_on_val.py --run runs/NAME [--last 3,4,5,7,10]
+        [--length-penalty 0.6,1.0,1.4] [--threads 2] [--apply]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mtx.checkpoint import (  # noqa: E402
+    LoadedRun,
+    atomic_save,
+    average_checkpoints,
+    average_run,
+    checkpoint_dir,
+    load_checkpoint,
+    load_run,
+    step_checkpoints,
+)
+from mtx.data import read_parallel, split_file  # noqa: E402
+from mtx.evaluate import corpus_scores  # noqa: E402
+from mtx.search import translate_ids  # noqa: E402
+
+
+def numbers(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def val_bleu(run: LoadedRun, src_ids: list[list[int]], refs: list[str], alpha: float) -> float:
+    dc = run.cfg.decode
+    hyps = translate_ids(run.model, src_ids, dc.beam, alpha, dc.max_len_a, dc.max_len_b, dc.batch_tokens)
+    return corpus_scores(run.tgt_tok.decode_batch([h[0].tokens for h in hyps]), refs).bleu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--run", type=Path, required=True)
+    parser.add_argument("--last", default="3,4,5,7,10", help="numbers of newest step checkpoints to average")
+    parser.add_argument("--length-penalty", default="0.6,0.8,1.0,1.2,1.4,1.6,2.0")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--apply", action="store_true", help="make the chosen average the run's best.pt")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    ckpts = checkpoint_dir(args.run)
+    single = ckpts / "best_single.pt" if (ckpts / "best_single.pt").is_file() else ckpts / "best.pt"
+    run = load_run(args.run, single)
+    cfg = run.cfg
+    data_dir = Path(cfg.data.dir)
+    src, refs = read_parallel(
+        split_file(data_dir, "val", cfg.data.src_lang), split_file(data_dir, "val", cfg.data.tgt_lang)
+    )
+    src_ids = run.src_tok.encode_batch(src)
+    alpha = cfg.decode.length_penalty
+    print(f"{args.run}: val, beam {cfg.decode.beam}, length penalty {alpha:g}")
+
+    steps = step_checkpoints(args.run)
+    candidates: dict[int, float] = {0: val_bleu(run, src_ids, refs, alpha)}  # 0: the best single checkpoint
+    print(f"best single ({single.name}, step {load_checkpoint(single).get('step')}): {candidates[0]:.2f}")
+    for n in sorted({int(x) for x in numbers(args.last)}):
+        if not 1 <= n <= len(steps):
+            continue
+        run.model.load_state_dict(average_checkpoints(steps[-n:])["model"])
+        candidates[n] = val_bleu(run, src_ids, refs, alpha)
+        print(f"average of the last {n}: {candidates[n]:.2f}")
+    chosen = max(candidates, key=lambda n: candidates[n])
+    state = load_checkpoint(single)["model"] if chosen == 0 else average_checkpoints(steps[-chosen:])["model"]
+    run.model.load_state_dict(state)
+    penalties = {alpha: candidates[chosen]}
+    for a in numbers(args.length_penalty):
+        if a not in penalties:
+            penalties[a] = val_bleu(run, src_ids, refs, a)
+        print(f"  length penalty {a:g}: {penalties[a]:.2f}")
+    best_alpha = max(penalties, key=lambda a: penalties[a])
+    name = "best single" if chosen == 0 else f"average of the last {chosen}"
+    print(f"chosen: {name}, length penalty {best_alpha:g}: val BLEU {penalties[best_alpha]:.2f}")
+    if args.apply and chosen:
+        out, _ = average_run(args.run, chosen, None, as_best=True)
+        print(f"{out} is now {ckpts / 'best.pt'}")
+    elif args.apply and single.name == "best_single.pt":  # an earlier average was best.pt
+        atomic_save(load_checkpoint(single), ckpts / "best.pt")
+        print(f"{single} is now {ckpts / 'best.pt'} again")
+    result = {"average_last": chosen, "length_penalty": best_alpha, "val_bleu": round(penalties[best_alpha], 2)}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
