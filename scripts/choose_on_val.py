@@ -32,12 +32,17 @@ from mtx.checkpoint import (  # noqa: E402
     step_checkpoints,
 )
 from mtx.data import read_parallel, split_file  # noqa: E402
+from mtx.errors import MtxError  # noqa: E402
 from mtx.evaluate import corpus_scores  # noqa: E402
 from mtx.search import translate_ids  # noqa: E402
 
 
 def numbers(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
+    """'0.6,1.0' -> [0.6, 1.0]; an argparse type, so a bad list is a one-line usage error."""
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
 def val_bleu(run: LoadedRun, src_ids: list[list[int]], refs: list[str], alpha: float) -> float:
@@ -49,12 +54,21 @@ def val_bleu(run: LoadedRun, src_ids: list[list[int]], refs: list[str], alpha: f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run", type=Path, required=True)
-    parser.add_argument("--last", default="3,4,5,7,10", help="numbers of newest step checkpoints to average")
-    parser.add_argument("--length-penalty", default="0.6,0.8,1.0,1.2,1.4,1.6,2.0")
+    parser.add_argument(
+        "--last", type=numbers, default="3,4,5,7,10", help="how many newest step checkpoints to average"
+    )
+    parser.add_argument("--length-penalty", type=numbers, default="0.6,0.8,1.0,1.2,1.4,1.6,2.0")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--apply", action="store_true", help="make the chosen average the run's best.pt")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    try:
+        choose(args)
+    except MtxError as e:
+        sys.exit(f"choose_on_val: error: {e}")
+
+
+def choose(args: argparse.Namespace) -> None:
 
     ckpts = checkpoint_dir(args.run)
     single = ckpts / "best_single.pt" if (ckpts / "best_single.pt").is_file() else ckpts / "best.pt"
@@ -71,7 +85,7 @@ def main() -> None:
     steps = step_checkpoints(args.run)
     candidates: dict[int, float] = {0: val_bleu(run, src_ids, refs, alpha)}  # 0: the best single checkpoint
     print(f"best single ({single.name}, step {load_checkpoint(single).get('step')}): {candidates[0]:.2f}")
-    for n in sorted({int(x) for x in numbers(args.last)}):
+    for n in sorted({int(x) for x in args.last}):
         if not 1 <= n <= len(steps):
             continue
         run.model.load_state_dict(average_checkpoints(steps[-n:])["model"])
@@ -81,7 +95,7 @@ def main() -> None:
     state = load_checkpoint(single)["model"] if chosen == 0 else average_checkpoints(steps[-chosen:])["model"]
     run.model.load_state_dict(state)
     penalties = {alpha: candidates[chosen]}
-    for a in numbers(args.length_penalty):
+    for a in args.length_penalty:
         if a not in penalties:
             penalties[a] = val_bleu(run, src_ids, refs, a)
         print(f"  length penalty {a:g}: {penalties[a]:.2f}")

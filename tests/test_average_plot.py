@@ -69,3 +69,7 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run
     assert len(penalties) == 2 and choice["val_bleu"] == pytest.approx(max(penalties), abs=0.01)
     best = load_checkpoint(run_copy / "checkpoints" / "best.pt")
     assert ("averaged_from" in best) == (choice["average_last"] == 2)
+    missing = subprocess.run([*args[:2], "--run", str(run_copy / "nowhere")], capture_output=True, text=True)
+    assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
+        f"choose_on_val: error: {run_copy / 'nowhere'}: run directory not found"
+    ]
