@@ -83,17 +83,19 @@ def choose(args: argparse.Namespace) -> None:
     print(f"{args.run}: val, beam {cfg.decode.beam}, length penalty {alpha:g}")
 
     steps = step_checkpoints(args.run)
-    candidates: dict[int, float] = {0: val_bleu(run, src_ids, refs, alpha)}  # 0: the best single checkpoint
-    print(f"best single ({single.name}, step {load_checkpoint(single).get('step')}): {candidates[0]:.2f}")
+    single_ckpt = load_checkpoint(single)
+    states = {0: single_ckpt["model"]}  # 0: the best single checkpoint, else N averaged
+    candidates = {0: val_bleu(run, src_ids, refs, alpha)}
+    print(f"best single ({single.name}, step {single_ckpt.get('step')}): {candidates[0]:.2f}")
     for n in sorted({int(x) for x in args.last}):
         if not 1 <= n <= len(steps):
             continue
-        run.model.load_state_dict(average_checkpoints(steps[-n:])["model"])
+        states[n] = average_checkpoints(steps[-n:])["model"]
+        run.model.load_state_dict(states[n])
         candidates[n] = val_bleu(run, src_ids, refs, alpha)
         print(f"average of the last {n}: {candidates[n]:.2f}")
     chosen = max(candidates, key=lambda n: candidates[n])
-    state = load_checkpoint(single)["model"] if chosen == 0 else average_checkpoints(steps[-chosen:])["model"]
-    run.model.load_state_dict(state)
+    run.model.load_state_dict(states[chosen])
     penalties = {alpha: candidates[chosen]}
     for a in args.length_penalty:
         if a not in penalties:
@@ -106,7 +108,7 @@ def choose(args: argparse.Namespace) -> None:
         out, _ = average_run(args.run, chosen, None, as_best=True)
         print(f"{out} is now {ckpts / 'best.pt'}")
     elif args.apply and single.name == "best_single.pt":  # an earlier average was best.pt
-        atomic_save(load_checkpoint(single), ckpts / "best.pt")
+        atomic_save(single_ckpt, ckpts / "best.pt")
         print(f"{single} is now {ckpts / 'best.pt'} again")
     result = {"average_last": chosen, "length_penalty": best_alpha, "val_bleu": round(penalties[best_alpha], 2)}
     print(json.dumps(result))
