@@ -231,7 +231,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from mtx.data import read_parallel, split_file
     from mtx.evaluate import corpus_scores
-    from mtx.search import translate_ids
+    from mtx.search import translate
 
     if (args.src is None) != (args.ref is None):
         raise MtxError("--src and --ref go together (source file and reference file)")
@@ -249,8 +249,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
             split_file(data_dir, args.split, cfg.data.src_lang), split_file(data_dir, args.split, cfg.data.tgt_lang)
         )
         name = args.split
-    hyps = translate_ids(
+    text = translate(
         run.model,
+        run.tgt_tok,
         run.src_tok.encode_batch(src),
         beam,
         alpha,
@@ -259,7 +260,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         batch_tokens,
         use_cache=not args.no_cache,
     )
-    text = run.tgt_tok.decode_batch([h[0].tokens for h in hyps])
     output = args.output or args.run / "eval" / f"{name}.beam{beam}.{cfg.data.tgt_lang}"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text("".join(t + "\n" for t in text), encoding="utf-8")

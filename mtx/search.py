@@ -285,18 +285,21 @@ def translate_ids(
 
 def translate(
     model: Seq2Seq,
-    src_tok: BPE,
     tgt_tok: BPE,
-    sentences: Sequence[str],
+    src_ids: Sequence[Sequence[int]],
     beam: int,
     alpha: float,
     max_len_a: float,
     max_len_b: int,
     batch_tokens: int,
     device: torch.device | None = None,
+    use_cache: bool = True,
 ) -> list[str]:
-    """Translate plain sentences to plain (detokenised) sentences, order kept."""
+    """1-best translations of token-id sentences as detokenised text, order kept.
+
+    What `mtx eval`, validation during training and scripts/choose_on_val.py score, so all
+    three turn ids into text the same way."""
     hyps = translate_ids(
-        model, src_tok.encode_batch(sentences), beam, alpha, max_len_a, max_len_b, batch_tokens, 1, device
+        model, src_ids, beam, alpha, max_len_a, max_len_b, batch_tokens, 1, device, use_cache=use_cache
     )
     return tgt_tok.decode_batch([h[0].tokens for h in hyps])

@@ -46,7 +46,7 @@ from mtx.data import (
 from mtx.errors import CheckpointError, Interrupted, MtxError
 from mtx.evaluate import corpus_scores
 from mtx.model import Seq2Seq, make_src_mask
-from mtx.search import translate_ids
+from mtx.search import translate
 from mtx.tokenizer import PAD, load_run_tokenizers, tokenizer_paths, train_or_load
 
 if TYPE_CHECKING:
@@ -612,10 +612,16 @@ class Trainer:
                 loss_sum += label_smoothed_loss(self.model, batch, 0.0).item()
             n_tokens += batch.n_tgt_tokens
         dc = self.cfg.decode
-        hyps = translate_ids(
-            self.model, self.valid_ids.src_ids, 1, dc.length_penalty, dc.max_len_a, dc.max_len_b, dc.batch_tokens
+        text = translate(
+            self.model,
+            self.tgt_tok,
+            self.valid_ids.src_ids,
+            1,
+            dc.length_penalty,
+            dc.max_len_a,
+            dc.max_len_b,
+            dc.batch_tokens,
         )
-        text = self.tgt_tok.decode_batch([h[0].tokens for h in hyps])
         scores = corpus_scores(text, self.valid_refs)
         return {"val_loss": loss_sum / n_tokens, "val_bleu": scores.bleu, "val_chrf": scores.chrf}
 

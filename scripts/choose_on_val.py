@@ -34,7 +34,7 @@ from mtx.checkpoint import (  # noqa: E402
 from mtx.data import read_parallel, split_file  # noqa: E402
 from mtx.errors import MtxError  # noqa: E402
 from mtx.evaluate import corpus_scores  # noqa: E402
-from mtx.search import translate_ids  # noqa: E402
+from mtx.search import translate  # noqa: E402
 
 
 def numbers(text: str) -> list[float]:
@@ -47,8 +47,8 @@ def numbers(text: str) -> list[float]:
 
 def val_bleu(run: LoadedRun, src_ids: list[list[int]], refs: list[str], alpha: float) -> float:
     dc = run.cfg.decode
-    hyps = translate_ids(run.model, src_ids, dc.beam, alpha, dc.max_len_a, dc.max_len_b, dc.batch_tokens)
-    return corpus_scores(run.tgt_tok.decode_batch([h[0].tokens for h in hyps]), refs).bleu
+    text = translate(run.model, run.tgt_tok, src_ids, dc.beam, alpha, dc.max_len_a, dc.max_len_b, dc.batch_tokens)
+    return corpus_scores(text, refs).bleu
 
 
 def main() -> None:
