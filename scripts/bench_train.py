@@ -100,6 +100,10 @@ def matmul_peak(dtype: torch.dtype, tokens: int, d: int, f: int) -> float:
     return best
 
 
+# what `train.compile: true` trains with: the loss function, model included, compiled as one
+# (torch.compile(model) would compile only `forward`, which training does not call)
+COMPILED_LOSS = torch.compile(label_smoothed_loss, dynamic=True)
+
 # --ablate: each undoes one of mtx's speed changes (the model's own, or the training step's)
 ABLATIONS = {
     "torch dropout": "nn.Dropout (bernoulli_ masks) instead of mtx's 16-bit-slice masks",
@@ -119,9 +123,9 @@ def with_torch_dropout(model: Seq2Seq) -> Seq2Seq:
     return model
 
 
-def _mtx_loss(model: Seq2Seq, batch: Batch, smoothing: float, ablation: str) -> torch.Tensor:
+def _mtx_loss(model: Seq2Seq, batch: Batch, smoothing: float, ablation: str, compiled: bool) -> torch.Tensor:
     if ablation not in ("unfused loss", "padded loss"):
-        return label_smoothed_loss(model, batch, smoothing)
+        return (COMPILED_LOSS if compiled else label_smoothed_loss)(model, batch, smoothing)
     src_mask = make_src_mask(batch.src)
     states = model.decoder_states(batch.tgt_in, model.encode(batch.src, src_mask), src_mask)
     target = batch.tgt_out
@@ -139,7 +143,7 @@ def _mtx_loss(model: Seq2Seq, batch: Batch, smoothing: float, ablation: str) -> 
 
 
 def make_step(
-    model: nn.Module, cfg: Config, amp: torch.dtype | None, reference: bool, ablation: str = ""
+    model: nn.Module, cfg: Config, amp: torch.dtype | None, reference: bool, ablation: str = "", compiled: bool = False
 ) -> Callable[[Batch], None]:
     device = torch.device("cpu")
     if reference or ablation == "for-loop Adam":  # foreach=False: what torch picks for CPU tensors anyway
@@ -162,7 +166,7 @@ def make_step(
                     reduction="sum",
                 )
             else:
-                loss = _mtx_loss(model, batch, smoothing, ablation)
+                loss = _mtx_loss(model, batch, smoothing, ablation, compiled)
         (loss / batch.n_tgt_tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_norm)
         optimizer.step()
@@ -206,11 +210,7 @@ def main() -> None:
     if args.compile or cfg.train.compile:
         model = Seq2Seq(cfg.model, vocab, vocab, joint_vocab=True)
         amp = torch.bfloat16 if native_bf16 else None
-        settings[f"mtx {'bf16' if native_bf16 else 'fp32'} + torch.compile"] = (
-            torch.compile(model, dynamic=True),
-            amp,
-            False,
-        )
+        settings[f"mtx {'bf16' if native_bf16 else 'fp32'} + torch.compile"] = (model, amp, False)
     ablations = {}
     if args.ablate:
         for what in ABLATIONS:
@@ -218,7 +218,10 @@ def main() -> None:
             name = f"mtx fp32 - {what}"
             settings[name] = (with_torch_dropout(model) if what == "torch dropout" else model, None, False)
             ablations[name] = what
-    steps = {name: make_step(m, cfg, amp, ref, ablations.get(name, "")) for name, (m, amp, ref) in settings.items()}
+    steps = {
+        name: make_step(m, cfg, amp, ref, ablations.get(name, ""), compiled="compile" in name)
+        for name, (m, amp, ref) in settings.items()
+    }
 
     for name, step in steps.items():
         start = time.perf_counter()
