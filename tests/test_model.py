@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+import mtx.model
 from mtx.config import ModelConfig
 from mtx.data import Batch, pad_ids
 from mtx.model import Seq2Seq, make_src_mask
@@ -115,3 +118,42 @@ def test_overfits_one_batch(pre_norm: bool) -> None:
         loss.backward()
         opt.step()
     assert loss.item() < 0.02
+
+
+@pytest.mark.parametrize("pre_norm", [True, False])
+def test_cpu_explicit_attention_matches_sdpa(pre_norm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training on CPU takes explicit products + softmax for short sequences; loss and every
+    gradient equal those of SDPA's kernels (padding masks, causal decoder self-attention)."""
+    model = _model(pre_norm).train()
+    src = _src()
+    tgt = [[20, 21, 22], [23, 24, 25, 26]]
+    batch = Batch(src, pad_ids(tgt, prefix=BOS), pad_ids(tgt, suffix=EOS), int((src != PAD).sum()), 9)
+
+    def loss_and_grads(max_keys: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        monkeypatch.setattr(mtx.model, "CPU_MATH_MAX_KEYS", max_keys)
+        model.zero_grad()
+        loss = label_smoothed_loss(model, batch, 0.1)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    explicit_loss, explicit_grads = loss_and_grads(64)
+    sdpa_loss, sdpa_grads = loss_and_grads(0)
+    assert torch.allclose(explicit_loss, sdpa_loss, rtol=1e-5)
+    for a, b in zip(explicit_grads, sdpa_grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_attention_dropout_on_the_explicit_path() -> None:
+    """model.attention_dropout drops attention weights in training only: outputs vary between
+    training passes and match the dropout-free model in eval."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        d_model=32, n_heads=4, d_ff=64, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0, attention_dropout=0.5
+    )
+    model = Seq2Seq(cfg, V, V, joint_vocab=True)
+    src, tgt = _src(), torch.tensor([[BOS, 20, 21], [BOS, 22, 23]])
+    model.train()
+    assert not torch.allclose(model(src, tgt), model(src, tgt))
+    plain = Seq2Seq(dataclasses.replace(cfg, attention_dropout=0.0), V, V, joint_vocab=True)
+    plain.load_state_dict(model.state_dict())
+    assert torch.allclose(model.eval()(src, tgt), plain.eval()(src, tgt), atol=1e-6)
