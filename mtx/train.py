@@ -207,6 +207,13 @@ def label_smoothed_loss(model: Seq2Seq, batch: Batch, smoothing: float) -> torch
     return SmoothedCrossEntropy.apply(logits, batch.tgt_out[keep], smoothing)
 
 
+def training_loss(compiled: bool) -> Callable[[Seq2Seq, Batch, float], torch.Tensor]:
+    """The loss function training calls: `label_smoothed_loss`, or with `train.compile` that
+    function compiled with the model inside (compiling the model alone would compile only
+    `forward`, which training does not call). scripts/bench_train.py times this same object."""
+    return torch.compile(label_smoothed_loss) if compiled else label_smoothed_loss
+
+
 class SmoothedCrossEntropy(torch.autograd.Function):
     """Sum of label-smoothed cross-entropy of (N, V) logits, fused and chunked over rows.
 
@@ -396,7 +403,7 @@ class Trainer:
         self.vocab = ckpt_io.vocab_fingerprint(self.src_tok, self.tgt_tok)
         self.optimizer = make_optimizer(self.model, tc, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == torch.float16)
-        loss_fn = torch.compile(label_smoothed_loss) if tc.compile else label_smoothed_loss
+        loss_fn = training_loss(tc.compile)
         self.loss_module: torch.nn.Module = TokenLoss(self.model, loss_fn, tc.label_smoothing)
         if ranks.world_size > 1:  # DDP copies rank 0's initial weights to every rank
             self.loss_module = DistributedDataParallel(

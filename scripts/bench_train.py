@@ -33,7 +33,7 @@ from mtx.config import Config, ModelConfig, load_config  # noqa: E402
 from mtx.data import Batch, ParallelIds, load_corpus, padding_fraction, plan_batches, resolve_data_dir, texts  # noqa: E402
 from mtx.model import Dropout, Seq2Seq, make_src_mask, sinusoidal_positions  # noqa: E402
 from mtx.tokenizer import PAD, train_bpe  # noqa: E402
-from mtx.train import autocast, label_smoothed_loss, make_optimizer  # noqa: E402
+from mtx.train import autocast, label_smoothed_loss, make_optimizer, training_loss  # noqa: E402
 
 
 class ReferenceTransformer(nn.Module):
@@ -100,9 +100,7 @@ def matmul_peak(dtype: torch.dtype, tokens: int, d: int, f: int) -> float:
     return best
 
 
-# what `train.compile: true` trains with: the loss function, model included, compiled as one
-# (torch.compile(model) would compile only `forward`, which training does not call)
-COMPILED_LOSS = torch.compile(label_smoothed_loss, dynamic=True)
+COMPILED_LOSS = training_loss(compiled=True)  # what `train.compile: true` trains with
 
 # --ablate: each undoes one of mtx's speed changes (the model's own, or the training step's)
 ABLATIONS = {
