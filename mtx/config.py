@@ -38,6 +38,7 @@ class TokenizerConfig:
     vocab_size: int = 8000
     joint: bool = True  # one vocabulary for both languages (enables full weight tying)
     min_frequency: int = 2
+    bpe_dropout: float = 0.0  # BPE-dropout on training sentences, a fresh segmentation each epoch
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ _NON_NEGATIVE = {
     "decode.max_len_a",
     "decode.max_len_b",
 }
-_UNIT_INTERVAL = {"model.dropout", "model.attention_dropout", "train.label_smoothing"}
+_UNIT_INTERVAL = {"tokenizer.bpe_dropout", "model.dropout", "model.attention_dropout", "train.label_smoothing"}
 
 
 def _hints(cls: type) -> dict[str, Any]:

@@ -222,6 +222,23 @@ class ParallelIds:
     def __len__(self) -> int:
         return len(self.src_ids)
 
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Flat int32 ids and per-sentence lengths of both sides (for a checkpoint)."""
+        out = {}
+        for side, ids in (("src", self.src_ids), ("tgt", self.tgt_ids)):
+            out[side] = torch.tensor([i for s in ids for i in s], dtype=torch.int32)
+            out[f"{side}_lens"] = torch.tensor([len(s) for s in ids], dtype=torch.int64)
+        return out
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor]) -> ParallelIds:
+        """Inverse of `to_tensors`."""
+        sides = []
+        for side in ("src", "tgt"):
+            ends = np.cumsum(t[f"{side}_lens"].numpy())
+            sides.append([a.tolist() for a in np.split(t[side].numpy(), ends[:-1])])
+        return cls(*sides)
+
     def batch(self, indices: Sequence[int]) -> Batch:
         src = [self.src_ids[i] for i in indices]
         tgt = [self.tgt_ids[i] for i in indices]

@@ -7,6 +7,7 @@ NFC normalisation and stripping of outer whitespace), so detokenisation needs no
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -42,6 +43,13 @@ class BPE:
     def decode_batch(self, ids: Sequence[Sequence[int]]) -> list[str]:
         """Ids -> text; special tokens are dropped."""
         return [t.strip() for t in self.tokenizer.decode_batch([list(x) for x in ids])]
+
+    def with_dropout(self, p: float) -> BPE:
+        """A copy that skips each merge with probability `p` (BPE-dropout, Provilkov et al.,
+        2020): the same vocabulary, a random segmentation on every call. For training text only."""
+        spec = json.loads(self.tokenizer.to_str())
+        spec["model"]["dropout"] = p  # set at construction: the setter leaves the merge cache on
+        return BPE(Tokenizer.from_str(json.dumps(spec)))
 
     def fingerprint(self) -> str:
         """Stable hash of the vocabulary, stored in checkpoints to catch mismatches."""

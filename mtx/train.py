@@ -394,6 +394,8 @@ class Trainer:
                 run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang
             )
         self.train_ids = ParallelIds.encode(train_src, train_tgt, self.src_tok, self.tgt_tok, cfg.data.max_len)
+        self.train_texts = (train_src, train_tgt)
+        self.epoch_ids: tuple[int, ParallelIds] | None = None  # (epoch, its BPE-dropout segmentation)
         n_val = tc.eval_sentences or len(valid_src)
         self.valid_refs = valid_tgt[:n_val]
         self.valid_ids = ParallelIds.encode(valid_src[:n_val], self.valid_refs, self.src_tok, self.tgt_tok)
@@ -467,6 +469,8 @@ class Trainer:
                 rng=_rng_state(),
                 state=asdict(self.state),
             )
+            if self.epoch_ids is not None:  # a resumed epoch goes on over the same segmentation
+                out["epoch_ids"] = {"epoch": self.epoch_ids[0], **self.epoch_ids[1].to_tensors()}
         return out
 
     def save(self) -> None:
@@ -497,6 +501,9 @@ class Trainer:
             self.optimizer.load_state_dict(ckpt["optimizer"])
             self.scaler.load_state_dict(ckpt["scaler"])
             self.state = TrainState(**ckpt["state"])
+            if "epoch_ids" in ckpt and self.cfg.tokenizer.bpe_dropout:
+                saved = dict(ckpt["epoch_ids"])
+                self.epoch_ids = (int(saved.pop("epoch")), ParallelIds.from_tensors(saved))
             rng_per_rank = ckpt.get("rng_per_rank") or [ckpt["rng"]]
             same_ranks = len(rng_per_rank) == self.ranks.world_size
             _set_rng_state(rng_per_rank[self.ranks.rank] if same_ranks else ckpt["rng"])
@@ -557,7 +564,7 @@ class Trainer:
             if tc.max_epochs and self.state.epoch >= tc.max_epochs:
                 return
             batches = epoch_batches(
-                self.train_ids,
+                self._epoch_ids(self.state.epoch),
                 tc.batch_tokens,
                 tc.seed,
                 self.state.epoch,
@@ -575,6 +582,23 @@ class Trainer:
                 group = []
             self.state.epoch += 1
             self.state.batch = 0
+
+    def _epoch_ids(self, epoch: int) -> ParallelIds:
+        """The training ids of `epoch`: always the same, or with tokenizer.bpe_dropout a fresh
+        segmentation per epoch, drawn on rank 0 and sent to the other ranks."""
+        p = self.cfg.tokenizer.bpe_dropout
+        if not p:
+            return self.train_ids
+        if self.epoch_ids is None or self.epoch_ids[0] != epoch:
+            box: list[ParallelIds | None] = [None]
+            if self.ranks.is_main:
+                src_tok, tgt_tok = self.src_tok.with_dropout(p), self.tgt_tok.with_dropout(p)
+                box[0] = ParallelIds.encode(*self.train_texts, src_tok, tgt_tok, self.cfg.data.max_len)
+            if self.ranks.world_size > 1:
+                dist.broadcast_object_list(box, src=0, device=self.device)
+            assert box[0] is not None
+            self.epoch_ids = (epoch, box[0])
+        return self.epoch_ids[1]
 
     def train_step(self, group: list[Batch]) -> tuple[float, int, bool]:
         """Forward/backward over the micro-batches, then one optimizer update.

@@ -113,6 +113,9 @@ def test_batch_tensors_and_rank_shards() -> None:
     assert batch.tgt_in.tolist() == [[BOS, 9, PAD], [BOS, 10, 11]]
     assert batch.tgt_out.tolist() == [[9, EOS, PAD], [10, 11, EOS]]
     assert batch.n_src_tokens == 6 and batch.n_tgt_tokens == 5
+    back = ParallelIds.from_tensors(ids.to_tensors())  # as a checkpoint keeps a BPE-dropout epoch
+    assert back.src_ids == ids.src_ids and back.tgt_ids == ids.tgt_ids
+    assert back.tgt_lens.tolist() == ids.tgt_lens.tolist()
 
     src, tgt = _lengths(999)
     ids = ParallelIds([[4] * (s - 1) for s in src], [[4] * (t - 1) for t in tgt])

@@ -20,7 +20,8 @@ import torch
 from mtx import train as train_module
 from mtx.checkpoint import FORMAT_VERSION, load_checkpoint
 from mtx.cli import main
-from mtx.config import TokenizerConfig
+from mtx.config import TokenizerConfig, load_config
+from mtx.data import ParallelIds
 from mtx.tokenizer import train_bpe
 
 from .conftest import REPO, tiny_args
@@ -119,6 +120,27 @@ def test_resume_is_bit_identical_across_epoch_boundaries(tmp_path: Path, mini_da
     events = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "train"] == list(range(1, 41))
     assert [e["step"] for e in events if e["event"] == "valid"] == [10, 20, 30, 40]
+
+
+def test_bpe_dropout_resegments_each_epoch_and_a_resumed_epoch_keeps_its_own(tmp_path: Path, mini_data: Path) -> None:
+    run = tmp_path / "run"
+    drop = ("--set", "tokenizer.bpe_dropout=0.1", "--set", "train.eval_every=12")
+    assert main(mini_args(mini_data, run, *drop, "--set", "train.max_steps=12")) == 0
+    ckpt = load_weights_only(run / "checkpoints" / "last.pt")
+    state, saved = ckpt["state"], dict(ckpt["epoch_ids"])
+    assert saved.pop("epoch") == state["epoch"] >= 1 and state["batch"] > 0  # stopped inside an epoch
+
+    trainer = train_module.Trainer(load_config(run / "config.yaml"), run, resume=True)
+    resumed = trainer._epoch_ids(state["epoch"])
+    assert resumed.src_ids == ParallelIds.from_tensors(saved).src_ids  # the same batches go on
+    fresh = trainer._epoch_ids(state["epoch"] + 1)
+    assert fresh.tgt_ids != resumed.tgt_ids and fresh.tgt_ids != trainer.train_ids.tgt_ids
+    assert trainer.tgt_tok.decode_batch(fresh.tgt_ids) == trainer.train_texts[1]  # same sentences, resegmented
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=14"]) == 0
+
+
+def test_checkpoints_without_bpe_dropout_hold_no_segmentation(tiny_run: Path) -> None:
+    assert "epoch_ids" not in load_weights_only(tiny_run / "checkpoints" / "last.pt")
 
 
 # -- stop signals and kill -9 -------------------------------------------------------------------

@@ -34,3 +34,18 @@ def test_per_language_tokenizers_are_saved_and_reloaded(tmp_path: Path) -> None:
     assert src2.fingerprint() == src.fingerprint() and tgt2.fingerprint() == tgt.fingerprint()
     assert src.fingerprint() != tgt.fingerprint()
     assert isinstance(BPE.load(tmp_path / "tokenizer.de.json"), BPE)
+
+
+def test_bpe_dropout_resegments_over_the_same_vocabulary(shared_data: Path) -> None:
+    cfg = DataConfig(dir=str(shared_data))
+    train_src, train_tgt = texts(load_corpus(shared_data, cfg, ["train"])["train"])
+    tok = train_bpe(train_src[:5000] + train_tgt[:5000], TokenizerConfig(vocab_size=2000))
+    lines = train_src[:300]
+    plain = tok.encode_batch(lines)
+    drop = tok.with_dropout(0.1)
+    first, second = drop.encode_batch(lines), drop.encode_batch(lines)
+    assert drop.fingerprint() == tok.fingerprint()
+    assert first != second and first != plain  # a fresh random segmentation on every call
+    assert sum(map(len, plain)) < sum(map(len, first))  # skipped merges leave more, shorter pieces
+    assert drop.decode_batch(first) == lines
+    assert tok.encode_batch(lines) == plain  # the tokenizer it was copied from is unchanged
