@@ -330,11 +330,14 @@ class Seq2Seq(nn.Module):
             x = layer(x, memory, src_mask, cache, i)
         return self.decoder_norm(x)
 
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """(V, D) weight of the output projection (the target embedding when tied)."""
+        return self.tgt_embed.tokens.weight if self.output_proj is None else self.output_proj.weight
+
     def project(self, states: torch.Tensor) -> torch.Tensor:
         """(..., D) decoder states -> (..., V) logits (tied to the target embedding by default)."""
-        if self.output_proj is None:
-            return F.linear(states, self.tgt_embed.tokens.weight)
-        return self.output_proj(states)
+        return F.linear(states, self.output_weight)
 
     def decode(
         self,

@@ -203,8 +203,14 @@ def label_smoothed_loss(model: Seq2Seq, batch: Batch, smoothing: float) -> torch
     memory = model.encode(batch.src, src_mask)
     states = model.decoder_states(batch.tgt_in, memory, src_mask)  # (B, T, D)
     keep = batch.tgt_out != PAD
-    logits = model.project(states[keep])  # (N, V)
-    return SmoothedCrossEntropy.apply(logits, batch.tgt_out[keep], smoothing)
+    states, target = states[keep], batch.tgt_out[keep]  # (N, D), (N,)
+    weight = model.output_weight
+    if states.device.type == "cpu" and not torch.compiler.is_compiling():
+        device = states.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else states.dtype
+        need_grad = torch.is_grad_enabled() and (states.requires_grad or weight.requires_grad)
+        return ProjectedSmoothedCrossEntropy.apply(states.to(dtype), weight.to(dtype), target, smoothing, need_grad)
+    return SmoothedCrossEntropy.apply(model.project(states), target, smoothing)  # (N, V) logits
 
 
 def training_loss(compiled: bool) -> Callable[[Seq2Seq, Batch, float], torch.Tensor]:
@@ -245,19 +251,72 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         logits, target, lse = ctx.saved_tensors
         eps, vocab = ctx.smoothing, logits.shape[1]
         out = torch.empty_like(logits)
+        in_place = logits.dtype == torch.float32  # softmax in `out` itself: no (R, V) temporaries (1.4x)
         with torch.autocast(logits.device.type, enabled=False):
             for i in range(0, logits.shape[0], SmoothedCrossEntropy.ROWS):
                 rows = slice(i, i + SmoothedCrossEntropy.ROWS)
-                if logits.dtype == torch.float32:  # in `out` itself: no (R, V) temporaries (1.4x)
+                if in_place:
                     p = torch.sub(logits[rows], lse[rows, None], out=out[rows]).exp_()  # softmax (R, V)
                 else:
                     p = torch.exp(logits[rows].float() - lse[rows, None])
                 p.sub_(eps / vocab)
                 p.scatter_add_(1, target[rows, None], torch.full_like(p[:, :1], eps - 1.0))
                 p.mul_(grad)
-                if logits.dtype != torch.float32:
+                if not in_place:
                     out[rows] = p
         return out, None, None
+
+
+class ProjectedSmoothedCrossEntropy(torch.autograd.Function):
+    """`SmoothedCrossEntropy` of the logits `states @ weight.T`, computed block by block of rows
+    so that the (N, V) logits never exist whole (CPU).
+
+    Each block's logits go into one reused (R, V) buffer and are reduced and turned into the
+    gradient in place while in cache; the gradients of `states` and `weight` are computed in the
+    forward (the loss is the last node of the graph) and scaled in the backward. Materialising
+    the (N, V) logits and their gradient instead meant two fresh ~130 MB buffers per step, whose
+    first touch (page faults) cost more than the arithmetic on them."""
+
+    ROWS = 256
+
+    @staticmethod
+    def forward(
+        ctx: Any, states: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, smoothing: float, need_grad: bool
+    ) -> torch.Tensor:
+        n, vocab = states.shape[0], weight.shape[0]
+        rows = ProjectedSmoothedCrossEntropy.ROWS
+        total = torch.zeros((), dtype=torch.float32, device=states.device)
+        d_states = torch.empty_like(states) if need_grad else None
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+        buffer = torch.empty(min(rows, n), vocab, dtype=states.dtype, device=states.device)
+        with torch.autocast(states.device.type, enabled=False):
+            for i in range(0, n, rows):
+                h, t = states[i : i + rows], target[i : i + rows, None]  # (R, D), (R, 1)
+                z = torch.mm(h, weight.t(), out=buffer[: h.shape[0]]).float()  # (R, V) logits
+                picked, mean, top = z.gather(1, t), z.mean(dim=-1, keepdim=True), z.amax(dim=-1, keepdim=True)
+                e = z.sub_(top).exp_()  # in place: logsumexp would allocate an (R, V) temporary
+                norm = e.sum(dim=-1, keepdim=True)
+                lse = top + norm.log()
+                total += ((1.0 - smoothing) * (lse - picked) + smoothing * (lse - mean)).sum()
+                if d_states is None or d_weight is None:
+                    continue
+                g = e.div_(norm)  # softmax
+                g.sub_(smoothing / vocab).scatter_add_(1, t, torch.full_like(t, smoothing - 1.0, dtype=g.dtype))
+                g = g.to(states.dtype)
+                torch.mm(g, weight, out=d_states[i : i + rows])
+                if d_weight.dtype == g.dtype:
+                    d_weight.addmm_(g.t(), h)
+                else:  # low precision: products in it, the sum over blocks in float32
+                    d_weight += torch.mm(g.t(), h)
+        ctx.save_for_backward(d_states, d_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+        d_states, d_weight = ctx.saved_tensors
+        if d_states is None:
+            raise RuntimeError("ProjectedSmoothedCrossEntropy was called with need_grad=False")
+        return d_states * grad.to(d_states.dtype), (d_weight * grad).to(d_states.dtype), None, None, None
 
 
 class TokenLoss(torch.nn.Module):
@@ -592,7 +651,8 @@ class Trainer:
         if self.epoch_ids is None or self.epoch_ids[0] != epoch:
             box: list[ParallelIds | None] = [None]
             if self.ranks.is_main:
-                src_tok, tgt_tok = self.src_tok.with_dropout(p), self.tgt_tok.with_dropout(p)
+                src_tok = self.src_tok.with_dropout(p)
+                tgt_tok = src_tok if self.tgt_tok is self.src_tok else self.tgt_tok.with_dropout(p)
                 box[0] = ParallelIds.encode(*self.train_texts, src_tok, tgt_tok, self.cfg.data.max_len)
             if self.ranks.world_size > 1:
                 dist.broadcast_object_list(box, src=0, device=self.device)

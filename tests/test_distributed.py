@@ -143,9 +143,11 @@ def torchrun(*args: str) -> subprocess.CompletedProcess[bytes]:
 
 
 def test_torchrun_trains_resumes_and_translates(tmp_path: Path, mini_data: Path) -> None:
-    """2 processes through torchrun: rank 0 alone writes the run; --resume continues it; it translates."""
+    """2 processes through torchrun: rank 0 alone writes the run; --resume continues it; it translates.
+    With BPE-dropout: rank 0 segments each epoch and sends it to rank 1."""
     run_dir = tmp_path / "run"
     common = ("--set", "train.eval_every=10", "--set", "train.log_every=5", "--set", "train.accum_steps=2")
+    common += ("--set", "tokenizer.bpe_dropout=0.1")
     r = torchrun(
         *tiny_args(mini_data, run_dir, *common, "--set", "train.max_steps=10", "--set", "train.eval_sentences=20")
     )
@@ -173,6 +175,7 @@ def test_torchrun_trains_resumes_and_translates(tmp_path: Path, mini_data: Path)
 
     last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert last["state"]["step"] == 20 and last["state"]["world_size"] == 2
+    assert last["epoch_ids"]["epoch"] == last["state"]["epoch"]
     rng = last["rng_per_rank"]
     assert len(rng) == 2 and torch.equal(rng[0]["torch"], last["rng"]["torch"])
     assert not torch.equal(rng[0]["torch"], rng[1]["torch"])  # each rank draws its own dropout masks

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from mtx.cli import main
 from mtx.config import TrainConfig
 from mtx.model import dropout
-from mtx.train import SmoothedCrossEntropy, learning_rate
+from mtx.train import ProjectedSmoothedCrossEntropy, SmoothedCrossEntropy, learning_rate
 
 from .conftest import tiny_args
 
@@ -49,6 +49,27 @@ def test_fused_smoothed_loss_matches_cross_entropy(dtype: torch.dtype, tol: floa
     assert fused.item() == pytest.approx(plain.item(), rel=1e-5)
     assert grad_fused.dtype == dtype
     assert torch.allclose(grad_fused.float(), grad_plain.float(), atol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_projected_loss_matches_cross_entropy_of_the_full_logits(dtype: torch.dtype, tol: float) -> None:
+    """Blocks of rows (600 = 256 + 256 + 88) through one reused buffer: the value and both
+    gradients of the cross-entropy of the materialised logits."""
+    torch.manual_seed(0)
+    states = torch.randn(600, 64).requires_grad_()
+    weight = (torch.randn(1000, 64) * 0.3).requires_grad_()
+    target = torch.randint(0, 1000, (600,))
+    fused = ProjectedSmoothedCrossEntropy.apply(states.to(dtype), weight.to(dtype), target, 0.1, True)
+    grads = torch.autograd.grad(fused * 0.5, (states, weight))
+    logits = (states.to(dtype) @ weight.to(dtype).t()).float()
+    plain = F.cross_entropy(logits, target, label_smoothing=0.1, reduction="sum")
+    expected = torch.autograd.grad(plain * 0.5, (states, weight))
+    assert fused.item() == pytest.approx(plain.item(), rel=1e-5)
+    for got, want in zip(grads, expected, strict=True):
+        assert torch.allclose(got, want, atol=tol * want.abs().max().item())
+    with torch.no_grad():  # validation: the value alone
+        value = ProjectedSmoothedCrossEntropy.apply(states, weight, target, 0.0, False)
+        assert value.item() == pytest.approx(F.cross_entropy(states @ weight.t(), target, reduction="sum").item())
 
 
 def test_fast_dropout_keeps_the_right_share_and_scale() -> None:
