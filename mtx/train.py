@@ -220,6 +220,16 @@ def training_loss(compiled: bool) -> Callable[[Seq2Seq, Batch, float], torch.Ten
     return torch.compile(label_smoothed_loss) if compiled else label_smoothed_loss
 
 
+def _smoothed_block_loss(lse: torch.Tensor, picked: torch.Tensor, mean: torch.Tensor, eps: float) -> torch.Tensor:
+    """Summed smoothed loss of a block of rows from its logsumexp, target logit and mean logit."""
+    return ((1.0 - eps) * (lse - picked) + eps * (lse - mean)).sum()
+
+
+def _smoothed_block_grad_(probs: torch.Tensor, target: torch.Tensor, eps: float) -> None:
+    """(R, V) softmax -> in place, the loss gradient: softmax minus the smoothed one-hot of (R, 1) target."""
+    probs.sub_(eps / probs.shape[1]).scatter_add_(1, target, torch.full(target.shape, eps - 1.0, dtype=probs.dtype))
+
+
 class SmoothedCrossEntropy(torch.autograd.Function):
     """Sum of label-smoothed cross-entropy of (N, V) logits, fused and chunked over rows.
 
@@ -239,9 +249,8 @@ class SmoothedCrossEntropy(torch.autograd.Function):
                 z = logits[i : i + SmoothedCrossEntropy.ROWS].float()  # (R, V)
                 rows_lse = torch.logsumexp(z, dim=-1)
                 lse[i : i + SmoothedCrossEntropy.ROWS] = rows_lse
-                nll = rows_lse - z.gather(1, target[i : i + SmoothedCrossEntropy.ROWS, None]).squeeze(1)
-                uniform = rows_lse - z.mean(dim=-1)
-                total += ((1.0 - smoothing) * nll + smoothing * uniform).sum()
+                picked = z.gather(1, target[i : i + SmoothedCrossEntropy.ROWS, None]).squeeze(1)
+                total += _smoothed_block_loss(rows_lse, picked, z.mean(dim=-1), smoothing)
         ctx.save_for_backward(logits, target, lse)
         ctx.smoothing = smoothing
         return total
@@ -249,7 +258,7 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         logits, target, lse = ctx.saved_tensors
-        eps, vocab = ctx.smoothing, logits.shape[1]
+        eps = ctx.smoothing
         out = torch.empty_like(logits)
         in_place = logits.dtype == torch.float32  # softmax in `out` itself: no (R, V) temporaries (1.4x)
         with torch.autocast(logits.device.type, enabled=False):
@@ -259,8 +268,7 @@ class SmoothedCrossEntropy(torch.autograd.Function):
                     p = torch.sub(logits[rows], lse[rows, None], out=out[rows]).exp_()  # softmax (R, V)
                 else:
                     p = torch.exp(logits[rows].float() - lse[rows, None])
-                p.sub_(eps / vocab)
-                p.scatter_add_(1, target[rows, None], torch.full_like(p[:, :1], eps - 1.0))
+                _smoothed_block_grad_(p, target[rows, None], eps)
                 p.mul_(grad)
                 if not in_place:
                     out[rows] = p
@@ -297,11 +305,11 @@ class ProjectedSmoothedCrossEntropy(torch.autograd.Function):
                 e = z.sub_(top).exp_()  # in place: logsumexp would allocate an (R, V) temporary
                 norm = e.sum(dim=-1, keepdim=True)
                 lse = top + norm.log()
-                total += ((1.0 - smoothing) * (lse - picked) + smoothing * (lse - mean)).sum()
+                total += _smoothed_block_loss(lse, picked, mean, smoothing)
                 if d_states is None or d_weight is None:
                     continue
                 g = e.div_(norm)  # softmax
-                g.sub_(smoothing / vocab).scatter_add_(1, t, torch.full_like(t, smoothing - 1.0, dtype=g.dtype))
+                _smoothed_block_grad_(g, t, smoothing)
                 g = g.to(states.dtype)
                 torch.mm(g, weight, out=d_states[i : i + rows])
                 if d_weight.dtype == g.dtype:
