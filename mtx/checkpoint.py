@@ -266,9 +266,16 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
     check_compatible(payload, chosen[-1], vocab_fingerprint(src_tok, tgt_tok), build_model(cfg, src_tok, tgt_tok))
     atomic_save(payload, out)
     if as_best:
-        best = checkpoint_dir(run_dir) / "best.pt"
-        single = checkpoint_dir(run_dir) / "best_single.pt"
-        if best.is_file() and not single.exists():
-            os.replace(best, single)
-        atomic_save(payload, best)
+        make_best(run_dir, payload)
     return out, chosen
+
+
+def make_best(run_dir: Path, payload: dict[str, Any]) -> Path:
+    """Write `payload` (an average) as the run's best.pt; the best single checkpoint that training
+    saved there is kept as best_single.pt, so nothing is lost."""
+    best = checkpoint_dir(run_dir) / "best.pt"
+    single = checkpoint_dir(run_dir) / "best_single.pt"
+    if best.is_file() and not single.exists():
+        os.replace(best, single)
+    atomic_save(payload, best)
+    return best

@@ -84,6 +84,7 @@ class TrainConfig:
     eval_sentences: int = 0  # val sentences used for BLEU during training; 0: all
     patience: int = 0  # stop after this many evals without a better val BLEU; 0: never
     keep_last: int = 10  # step checkpoints kept in checkpoints/ (for averaging)
+    ema: float = 0.0  # decay of a moving average of the weights, saved as checkpoints/ema.pt; 0: none
     max_bad_steps: int = 10  # consecutive non-finite steps before training stops
 
 
@@ -145,7 +146,13 @@ _NON_NEGATIVE = {
     "decode.max_len_a",
     "decode.max_len_b",
 }
-_UNIT_INTERVAL = {"tokenizer.bpe_dropout", "model.dropout", "model.attention_dropout", "train.label_smoothing"}
+_UNIT_INTERVAL = {
+    "tokenizer.bpe_dropout",
+    "model.dropout",
+    "model.attention_dropout",
+    "train.label_smoothing",
+    "train.ema",
+}
 
 
 def _hints(cls: type) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from mtx.errors import CheckpointError, Interrupted, MtxError
 from mtx.evaluate import corpus_scores
 from mtx.model import Seq2Seq, make_src_mask
 from mtx.search import translate
-from mtx.tokenizer import PAD, load_run_tokenizers, tokenizer_paths, train_or_load
+from mtx.tokenizer import BPE, PAD, load_run_tokenizers, tokenizer_paths, train_or_load
 
 if TYPE_CHECKING:
     import datasets
@@ -393,6 +393,42 @@ def rank_seed(seed: int, rank: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
 
 
+class MovingAverage:
+    """Exponential moving average of a model's weights (Polyak averaging), a smoother alternative
+    to averaging step checkpoints: after every applied update, avg <- d * avg + (1 - d) * w with
+    d = min(decay, (1 + n) / (10 + n)) at the n-th update, so the random initial weights fade fast.
+    Tied weights are averaged once; buffers are the model's own."""
+
+    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+        self.model = model
+        self.decay = decay
+        self.updates = 0
+        self.params = list(model.parameters())
+        self.averages = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self) -> None:
+        self.updates += 1
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        torch._foreach_lerp_(self.averages, [p.detach() for p in self.params], 1.0 - d)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict with every parameter replaced by its average."""
+        average_of = {p.data_ptr(): a for p, a in zip(self.params, self.averages, strict=True)}
+        return {k: average_of.get(v.data_ptr(), v) for k, v in self.model.state_dict().items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "updates": self.updates, "averages": self.averages}
+
+    def load(self, saved: dict[str, Any]) -> None:
+        averages = saved["averages"]
+        shapes = [tuple(a.shape) for a in averages]
+        if shapes != [tuple(p.shape) for p in self.params]:
+            raise ValueError("the saved moving average does not match the model's parameters")
+        self.updates = int(saved["updates"])
+        self.averages = [a.to(p.device, p.dtype) for a, p in zip(averages, self.params, strict=True)]
+
+
 class StopRequest:
     """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary."""
 
@@ -463,6 +499,7 @@ class Trainer:
         self.train_ids = ParallelIds.encode(train_src, train_tgt, self.src_tok, self.tgt_tok, cfg.data.max_len)
         self.train_texts = (train_src, train_tgt)
         self.epoch_ids: tuple[int, ParallelIds] | None = None  # (epoch, its BPE-dropout segmentation)
+        self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
         n_val = tc.eval_sentences or len(valid_src)
         self.valid_refs = valid_tgt[:n_val]
         self.valid_ids = ParallelIds.encode(valid_src[:n_val], self.valid_refs, self.src_tok, self.tgt_tok)
@@ -479,6 +516,8 @@ class Trainer:
                 self.loss_module, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
         self.state = TrainState(world_size=ranks.world_size)
+        # only rank 0 writes checkpoints, so only rank 0 keeps the average (every rank has the same weights)
+        self.ema = MovingAverage(self.model, tc.ema) if tc.ema and ranks.is_main else None
         if resume:
             self._restore()
         elif ranks.rank:
@@ -538,6 +577,8 @@ class Trainer:
             )
             if self.epoch_ids is not None:  # a resumed epoch goes on over the same segmentation
                 out["epoch_ids"] = {"epoch": self.epoch_ids[0], **self.epoch_ids[1].to_tensors()}
+            if self.ema is not None:
+                out["ema"] = self.ema.to_dict()
         return out
 
     def save(self) -> None:
@@ -571,6 +612,10 @@ class Trainer:
             if "epoch_ids" in ckpt and self.cfg.tokenizer.bpe_dropout:
                 saved = dict(ckpt["epoch_ids"])
                 self.epoch_ids = (int(saved.pop("epoch")), ParallelIds.from_tensors(saved))
+            if self.ema is not None and "ema" in ckpt:
+                self.ema.load(ckpt["ema"])
+            elif self.ema is not None:  # train.ema turned on at resume: the average starts here
+                self.ema = MovingAverage(self.model, self.ema.decay)
             rng_per_rank = ckpt.get("rng_per_rank") or [ckpt["rng"]]
             same_ranks = len(rng_per_rank) == self.ranks.world_size
             _set_rng_state(rng_per_rank[self.ranks.rank] if same_ranks else ckpt["rng"])
@@ -615,6 +660,10 @@ class Trainer:
             ckpt_io.atomic_save(payload, ckpts / f"step_{self.state.step}.pt")
             for old in ckpt_io.step_checkpoints(self.run_dir)[: -self.cfg.train.keep_last]:
                 old.unlink()
+        if self.ema is not None:
+            ckpt_io.atomic_save(
+                {**payload, "model": self.ema.model_state(), "ema_decay": self.ema.decay}, ckpts / "ema.pt"
+            )
         if bleu > self.state.best_bleu:
             self.state.best_bleu, self.state.best_step = bleu, self.state.step
             self.state.evals_without_gain = 0
@@ -659,9 +708,11 @@ class Trainer:
         if self.epoch_ids is None or self.epoch_ids[0] != epoch:
             box: list[ParallelIds | None] = [None]
             if self.ranks.is_main:
-                src_tok = self.src_tok.with_dropout(p)
-                tgt_tok = src_tok if self.tgt_tok is self.src_tok else self.tgt_tok.with_dropout(p)
-                box[0] = ParallelIds.encode(*self.train_texts, src_tok, tgt_tok, self.cfg.data.max_len)
+                if self.dropout_toks is None:  # built once; each encode draws a fresh segmentation
+                    src_tok = self.src_tok.with_dropout(p)
+                    tgt_tok = src_tok if self.tgt_tok is self.src_tok else self.tgt_tok.with_dropout(p)
+                    self.dropout_toks = (src_tok, tgt_tok)
+                box[0] = ParallelIds.encode(*self.train_texts, *self.dropout_toks, self.cfg.data.max_len)
             if self.ranks.world_size > 1:
                 dist.broadcast_object_list(box, src=0, device=self.device)
             assert box[0] is not None
@@ -702,6 +753,8 @@ class Trainer:
             self.scaler.step(self.optimizer)  # the fp16 scaler itself skips non-finite steps
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        if finite and self.ema is not None:
+            self.ema.update()
         return total / n_tokens, int(n_tokens), finite
 
     # -- validation ------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Choose a run's final checkpoint and length penalty on val, never on a test split.
 
 Scores on the run's val split, with the run's beam size: the best single checkpoint, then the
-average of the last N step checkpoints for each N in `--last`, all with the config's length
-penalty; then, on the best of those, each length penalty in `--length-penalty`. BLEU is computed
-as `mtx eval` computes it. With `--apply` the chosen average becomes the run's best.pt (the
-single best is kept as best_single.pt). The last line is JSON for scripts.
+average of the last N step checkpoints for each N in `--last`, and the moving average of the
+weights (checkpoints/ema.pt, when trained with train.ema), all with the config's length penalty;
+then, on the best of those, each length penalty in `--length-penalty`. BLEU is computed as
+`mtx eval` computes it. With `--apply` the chosen average becomes the run's best.pt (the single
+best is kept as best_single.pt). The last line is JSON for scripts.
 
     python scripts/choose_on_val.py --run runs/NAME [--last 3,4,5,7,10]
         [--length-penalty 0.6,1.0,1.4] [--threads 2] [--apply]
@@ -25,10 +26,10 @@ from mtx.checkpoint import (  # noqa: E402
     LoadedRun,
     atomic_save,
     average_checkpoints,
-    average_run,
     checkpoint_dir,
     load_checkpoint,
     load_run,
+    make_best,
     step_checkpoints,
 )
 from mtx.data import read_parallel, split_file  # noqa: E402
@@ -84,33 +85,37 @@ def choose(args: argparse.Namespace) -> None:
 
     steps = step_checkpoints(args.run)
     single_ckpt = load_checkpoint(single)
-    states = {0: single_ckpt["model"]}  # 0: the best single checkpoint, else N averaged
-    candidates = {0: val_bleu(run, src_ids, refs, alpha)}
-    print(f"best single ({single.name}, step {single_ckpt.get('step')}): {candidates[0]:.2f}")
+    # candidate name -> (checkpoint payload, val BLEU)
+    candidates = {"best single": (single_ckpt, val_bleu(run, src_ids, refs, alpha))}
+    print(f"best single ({single.name}, step {single_ckpt.get('step')}): {candidates['best single'][1]:.2f}")
     for n in sorted({int(x) for x in args.last}):
         if not 1 <= n <= len(steps):
             continue
-        states[n] = average_checkpoints(steps[-n:])["model"]
-        run.model.load_state_dict(states[n])
-        candidates[n] = val_bleu(run, src_ids, refs, alpha)
-        print(f"average of the last {n}: {candidates[n]:.2f}")
-    chosen = max(candidates, key=lambda n: candidates[n])
-    run.model.load_state_dict(states[chosen])
-    penalties = {alpha: candidates[chosen]}
+        payload = average_checkpoints(steps[-n:])
+        run.model.load_state_dict(payload["model"])
+        candidates[f"average of the last {n}"] = (payload, val_bleu(run, src_ids, refs, alpha))
+        print(f"average of the last {n}: {candidates[f'average of the last {n}'][1]:.2f}")
+    if (ckpts / "ema.pt").is_file():  # the moving average of the weights (train.ema)
+        payload = load_checkpoint(ckpts / "ema.pt")
+        run.model.load_state_dict(payload["model"])
+        candidates["moving average"] = (payload, val_bleu(run, src_ids, refs, alpha))
+        print(f"moving average (ema.pt, decay {payload.get('ema_decay')}): {candidates['moving average'][1]:.2f}")
+    name = max(candidates, key=lambda k: candidates[k][1])
+    chosen = candidates[name][0]
+    run.model.load_state_dict(chosen["model"])
+    penalties = {alpha: candidates[name][1]}
     for a in args.length_penalty:
         if a not in penalties:
             penalties[a] = val_bleu(run, src_ids, refs, a)
         print(f"  length penalty {a:g}: {penalties[a]:.2f}")
     best_alpha = max(penalties, key=lambda a: penalties[a])
-    name = "best single" if chosen == 0 else f"average of the last {chosen}"
     print(f"chosen: {name}, length penalty {best_alpha:g}: val BLEU {penalties[best_alpha]:.2f}")
-    if args.apply and chosen:
-        out, _ = average_run(args.run, chosen, None, as_best=True)
-        print(f"{out} is now {ckpts / 'best.pt'}")
+    if args.apply and chosen is not single_ckpt:
+        print(f"{make_best(args.run, chosen)} is now the {name}")
     elif args.apply and single.name == "best_single.pt":  # an earlier average was best.pt
         atomic_save(single_ckpt, ckpts / "best.pt")
         print(f"{single} is now {ckpts / 'best.pt'} again")
-    result = {"average_last": chosen, "length_penalty": best_alpha, "val_bleu": round(penalties[best_alpha], 2)}
+    result = {"chosen": name, "length_penalty": best_alpha, "val_bleu": round(penalties[best_alpha], 2)}
     print(json.dumps(result))
 
 

@@ -67,8 +67,11 @@ def tiny_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory, small_data: Path) -> Path:
-    """A tiny model trained for 200 steps on the small slice (shared by decoding tests)."""
+    """A tiny model trained for 200 steps on the small slice, with a moving average of its weights
+    (shared by decoding tests)."""
     run_dir = tmp_path_factory.mktemp("runs") / "tiny"
-    args = tiny_args(small_data, run_dir, "--set", "train.max_steps=200", "--set", "train.eval_every=100")
+    args = tiny_args(
+        small_data, run_dir, "--set", "train.max_steps=200", "--set", "train.eval_every=100", "--set", "train.ema=0.99"
+    )
     assert main(args) == 0
     return run_dir

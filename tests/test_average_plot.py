@@ -63,12 +63,15 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run
     lines = done.stdout.splitlines()
     assert any(line.startswith("best single") for line in lines)
     assert any(line.startswith("average of the last 2:") for line in lines)
+    assert any(line.startswith("moving average (ema.pt, decay 0.99):") for line in lines)
     choice = json.loads(lines[-1])
-    assert choice["average_last"] in (0, 2) and choice["length_penalty"] in (0.6, 1.0)
+    assert choice["length_penalty"] in (0.6, 1.0)
     penalties = [float(line.rsplit(": ", 1)[1]) for line in lines if line.startswith("  length penalty")]
     assert len(penalties) == 2 and choice["val_bleu"] == pytest.approx(max(penalties), abs=0.01)
     best = load_checkpoint(run_copy / "checkpoints" / "best.pt")
-    assert ("averaged_from" in best) == (choice["average_last"] == 2)
+    assert ("averaged_from" in best) == (choice["chosen"] == "average of the last 2")
+    assert ("ema_decay" in best) == (choice["chosen"] == "moving average")
+    assert (run_copy / "checkpoints" / "best_single.pt").is_file() == (choice["chosen"] != "best single")
     missing = subprocess.run([*args[:2], "--run", str(run_copy / "nowhere")], capture_output=True, text=True)
     assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
         f"choose_on_val: error: {run_copy / 'nowhere'}: run directory not found"

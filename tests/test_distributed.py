@@ -144,10 +144,11 @@ def torchrun(*args: str) -> subprocess.CompletedProcess[bytes]:
 
 def test_torchrun_trains_resumes_and_translates(tmp_path: Path, mini_data: Path) -> None:
     """2 processes through torchrun: rank 0 alone writes the run; --resume continues it; it translates.
-    With BPE-dropout: rank 0 segments each epoch and sends it to rank 1."""
+    With BPE-dropout: rank 0 segments each epoch and sends it to rank 1; with a moving average of
+    the weights, which rank 0 alone keeps and saves."""
     run_dir = tmp_path / "run"
     common = ("--set", "train.eval_every=10", "--set", "train.log_every=5", "--set", "train.accum_steps=2")
-    common += ("--set", "tokenizer.bpe_dropout=0.1")
+    common += ("--set", "tokenizer.bpe_dropout=0.1", "--set", "train.ema=0.9")
     r = torchrun(
         *tiny_args(mini_data, run_dir, *common, "--set", "train.max_steps=10", "--set", "train.eval_sentences=20")
     )
@@ -163,8 +164,9 @@ def test_torchrun_trains_resumes_and_translates(tmp_path: Path, mini_data: Path)
         "metrics.jsonl",
         "train.log",
         "checkpoints",
-        *(f"checkpoints/{n}.pt" for n in ("last", "best", "step_10", "step_20")),
+        *(f"checkpoints/{n}.pt" for n in ("last", "best", "ema", "step_10", "step_20")),
     }
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["ema"]["updates"] == 20
     # one writer: every event once, one log line per event
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "train"] == [5, 10, 15, 20]

@@ -84,7 +84,7 @@ def wait_for(
 
 # -- exact resume ------------------------------------------------------------------------------
 def test_resume_is_bit_identical_across_epoch_boundaries(tmp_path: Path, mini_data: Path) -> None:
-    common = ("--set", "train.eval_every=10", "--set", "train.keep_last=2")
+    common = ("--set", "train.eval_every=10", "--set", "train.keep_last=2", "--set", "train.ema=0.9")
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert main(mini_args(mini_data, straight, *common, "--set", "train.max_steps=40")) == 0
     assert main(mini_args(mini_data, split, *common, "--set", "train.max_steps=20")) == 0
@@ -101,14 +101,16 @@ def test_resume_is_bit_identical_across_epoch_boundaries(tmp_path: Path, mini_da
     for k, state in a["optimizer"]["state"].items():
         assert all(torch.equal(v, b["optimizer"]["state"][k][name]) for name, v in state.items())
     assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["rng"]["python"] == b["rng"]["python"]
+    assert a["ema"]["updates"] == b["ema"]["updates"] == 40
+    assert all(torch.equal(x, y) for x, y in zip(a["ema"]["averages"], b["ema"]["averages"], strict=True))
     assert {k: v for k, v in a["state"].items() if k != "elapsed"} == {
         k: v for k, v in b["state"].items() if k != "elapsed"
     }
 
-    # the checkpoints: last, best, the last train.keep_last step files, weights-only loadable
-    # with version, config and vocabulary fingerprint, each identical in both runs
+    # the checkpoints: last, best, the last train.keep_last step files, the moving average,
+    # weights-only loadable with version, config and vocabulary fingerprint, identical in both runs
     names = sorted(p.name for p in (split / "checkpoints").iterdir())
-    assert names == ["best.pt", "last.pt", "step_30.pt", "step_40.pt"]
+    assert names == ["best.pt", "ema.pt", "last.pt", "step_30.pt", "step_40.pt"]
     assert names == sorted(p.name for p in (straight / "checkpoints").iterdir())
     for name in names:
         ckpt = load_weights_only(split / "checkpoints" / name)

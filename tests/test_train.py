@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from mtx.cli import main
-from mtx.config import TrainConfig
-from mtx.model import dropout
-from mtx.train import ProjectedSmoothedCrossEntropy, SmoothedCrossEntropy, learning_rate
+from mtx.config import ModelConfig, TrainConfig
+from mtx.model import Seq2Seq, dropout
+from mtx.train import MovingAverage, ProjectedSmoothedCrossEntropy, SmoothedCrossEntropy, learning_rate
 
 from .conftest import tiny_args
 
@@ -70,6 +70,31 @@ def test_projected_loss_matches_cross_entropy_of_the_full_logits(dtype: torch.dt
     with torch.no_grad():  # validation: the value alone
         value = ProjectedSmoothedCrossEntropy.apply(states, weight, target, 0.0, False)
         assert value.item() == pytest.approx(F.cross_entropy(states @ weight.t(), target, reduction="sum").item())
+
+
+def test_moving_average_follows_its_formula_and_averages_a_tied_weight_once() -> None:
+    torch.manual_seed(0)
+    model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1), 50, 50, True)
+    ema = MovingAverage(model, decay=0.9)
+    expected = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for n in range(1, 31):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update()
+        d = min(0.9, (1 + n) / (10 + n))
+        for name, p in model.named_parameters():
+            expected[name] = d * expected[name] + (1 - d) * p.detach()
+    state = ema.model_state()
+    assert state.keys() == model.state_dict().keys()
+    for name, _ in model.named_parameters():
+        assert torch.allclose(state[name], expected[name], atol=1e-5), name
+        assert not torch.equal(state[name], model.state_dict()[name])
+    # joint vocabulary: source and target embeddings are one tensor, averaged once, under both names
+    assert state["src_embed.tokens.weight"] is state["tgt_embed.tokens.weight"]
+    fresh = MovingAverage(model, decay=0.9)
+    fresh.load(ema.to_dict())
+    assert fresh.updates == 30 and all(torch.equal(a, b) for a, b in zip(fresh.averages, ema.averages, strict=True))
 
 
 def test_fast_dropout_keeps_the_right_share_and_scale() -> None:
