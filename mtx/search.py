@@ -190,8 +190,6 @@ def beam_search(
         scores = top_scores.gather(1, order)  # (m, K), still sorted
         rows = (torch.arange(m, device=device)[:, None] * k + top_beam.gather(1, order)).view(-1)
         tokens = torch.cat([tokens.index_select(0, rows), top_token.gather(1, order).view(-1, 1)], dim=1)
-        if cache is not None:
-            cache.reorder(rows)
 
         best_alive = scores[:, 0].tolist()
         keep = []
@@ -206,10 +204,12 @@ def beam_search(
             keep_rows = (groups[:, None] * k + torch.arange(k, device=device)).view(-1)
             tokens = tokens.index_select(0, keep_rows)
             memory, src_mask = memory.index_select(0, groups), src_mask.index_select(0, groups)
-            if cache is not None:
-                cache.reorder(keep_rows, groups)
+            if cache is not None:  # the beam reordering and the drop in one copy of the cache
+                cache.reorder(rows.index_select(0, keep_rows), groups)
             scores = scores.index_select(0, groups)
             sentences = [sentences[i] for i in keep]
+        elif cache is not None:
+            cache.reorder(rows)
 
     out = []
     for hyps in finished:

@@ -410,7 +410,7 @@ class MovingAverage:
     def update(self) -> None:
         self.updates += 1
         d = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        torch._foreach_lerp_(self.averages, [p.detach() for p in self.params], 1.0 - d)
+        torch._foreach_lerp_(self.averages, self.params, 1.0 - d)
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with every parameter replaced by its average."""

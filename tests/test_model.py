@@ -73,6 +73,34 @@ def test_cached_and_uncached_decoder_logits_agree(pre_norm: bool) -> None:
     assert torch.allclose(torch.cat([first, rest], dim=1), full, atol=1e-5)
 
 
+@pytest.mark.parametrize("inference", [True, False])
+def test_cache_follows_reorders_and_drops(inference: bool) -> None:
+    """Rows reordered, repeated and dropped between steps as in beam search (sometimes twice
+    before the next step), over 45 steps: every step's logits equal those of decoding each
+    row's whole history without a cache."""
+    with torch.inference_mode(inference):  # decoding runs in inference mode; autograd still works
+        _decode_with_reorders(_model())
+
+
+def _decode_with_reorders(model: Seq2Seq) -> None:
+    gen = torch.Generator().manual_seed(1)
+    src = pad_ids([[5, 6, 7, 8, 9], [10, 11, 12], [13, 14], [15, 16, 17, 18]], suffix=EOS)
+    mask = make_src_mask(src)
+    memory = model.encode(src, mask)
+    history = torch.full((4, 1), BOS)
+    cache = model.new_cache()
+    for step in range(45):
+        cached = model.decode(history[:, -1:], memory, mask, cache)[:, -1]
+        assert torch.allclose(cached, model.decode(history, memory, mask)[:, -1], atol=1e-4), step
+        history = torch.cat([history, torch.randint(4, V, (len(history), 1), generator=gen)], dim=1)
+        for _ in range(2 if step % 7 == 3 else 1):
+            n = len(history) - (step == 20)  # one row finishes at step 20
+            rows = torch.randint(0, len(history), (n,), generator=gen)
+            history, memory, mask = history[rows], memory[rows], mask[rows]
+            cache.reorder(rows, rows)
+    assert cache.length == 45
+
+
 @pytest.mark.parametrize("cached", [True, False])
 def test_beams_sharing_one_memory_row_equal_an_expanded_memory(cached: bool) -> None:
     """Beam search gives K target rows per sentence and one memory row: the same logits as K copies."""
