@@ -192,8 +192,22 @@ class LoadedRun:
     checkpoint: Path
 
 
-def build_model(cfg: Config, src_tok: BPE, tgt_tok: BPE) -> Seq2Seq:
-    return Seq2Seq(cfg.model, src_tok.vocab_size, tgt_tok.vocab_size, joint_vocab=cfg.tokenizer.joint)
+def build_model(cfg: Config, src_tok: BPE, tgt_tok: BPE, output_ids: torch.Tensor | None = None) -> Seq2Seq:
+    """The run's model; `output_ids` (`model.restrict_output`) come from training or a checkpoint."""
+    return Seq2Seq(
+        cfg.model, src_tok.vocab_size, tgt_tok.vocab_size, joint_vocab=cfg.tokenizer.joint, output_ids=output_ids
+    )
+
+
+def saved_output_ids(ckpt: dict[str, Any], path: Path, cfg: Config) -> torch.Tensor | None:
+    """The output vocabulary a checkpoint was trained with (None: the whole target vocabulary)."""
+    ids = ckpt["model"].get("output_ids")
+    if (ids is not None) != cfg.model.restrict_output:
+        raise CheckpointError(
+            f"{path}: model.restrict_output is {cfg.model.restrict_output} in the run's config "
+            f"but the checkpoint was trained {'with' if ids is not None else 'without'} it"
+        )
+    return ids
 
 
 def load_run(run_dir: Path, checkpoint: Path | None = None, device: torch.device | None = None) -> LoadedRun:
@@ -210,7 +224,7 @@ def load_run(run_dir: Path, checkpoint: Path | None = None, device: torch.device
                 f"mtx train --config {run_dir / CONFIG_FILE} --run-dir {run_dir}"
             )
     ckpt = load_checkpoint(checkpoint)
-    model = build_model(cfg, src_tok, tgt_tok)
+    model = build_model(cfg, src_tok, tgt_tok, saved_output_ids(ckpt, checkpoint, cfg))
     check_compatible(ckpt, checkpoint, vocab_fingerprint(src_tok, tgt_tok), model)
     model.load_state_dict(ckpt["model"])
     model.eval()
@@ -237,6 +251,8 @@ def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
                 raise CheckpointError(f"{path}: {k} has shape {list(v.shape)}, {paths[0]} has {list(sums[k].shape)}")
             if v.is_floating_point():
                 sums[k] += v.double()
+            elif not torch.equal(v, sums[k]):  # e.g. output_ids
+                raise CheckpointError(f"{path}: {k} differs from that of {paths[0]} (not from the same run)")
     dtypes = {k: v.dtype for k, v in first["model"].items()}
     averaged = {k: (v / len(paths)).to(dtypes[k]) if v.is_floating_point() else v for k, v in sums.items()}
     return {
@@ -263,7 +279,8 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
     payload = average_checkpoints(chosen)
     cfg = load_run_config(run_dir)
     src_tok, tgt_tok = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
-    check_compatible(payload, chosen[-1], vocab_fingerprint(src_tok, tgt_tok), build_model(cfg, src_tok, tgt_tok))
+    model = build_model(cfg, src_tok, tgt_tok, saved_output_ids(payload, chosen[-1], cfg))
+    check_compatible(payload, chosen[-1], vocab_fingerprint(src_tok, tgt_tok), model)
     atomic_save(payload, out)
     if as_best:
         make_best(run_dir, payload)

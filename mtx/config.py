@@ -54,6 +54,9 @@ class ModelConfig:
     attention_dropout: float = 0.0
     pre_norm: bool = True
     tie_embeddings: bool = True  # tgt embedding == output projection (and == src when joint)
+    # softmax only over the target-side pieces of the training data (+ EOS, UNK): a joint BPE
+    # vocabulary holds many pieces of the source language that the target never uses
+    restrict_output: bool = False
     max_positions: int = 256
 
 
@@ -292,6 +295,11 @@ def validate(cfg: Config, where: str = "config") -> None:
         )
     if not 0.0 <= cfg.train.adam_betas[0] < 1.0 or not 0.0 <= cfg.train.adam_betas[1] < 1.0:
         raise ConfigError(f"{where}: train.adam_betas must both be in [0, 1)")
+    if m.restrict_output and cfg.tokenizer.bpe_dropout:
+        raise ConfigError(
+            f"{where}: model.restrict_output needs tokenizer.bpe_dropout: 0 (BPE-dropout makes pieces the "
+            "output vocabulary, read off the deterministic segmentation of train, does not hold)"
+        )
     if cfg.data.max_len + 2 > m.max_positions:
         raise ConfigError(
             f"{where}: data.max_len + 2 ({cfg.data.max_len + 2}) exceeds model.max_positions ({m.max_positions})"

@@ -222,6 +222,10 @@ class ParallelIds:
     def __len__(self) -> int:
         return len(self.src_ids)
 
+    def target_vocabulary(self) -> torch.Tensor:
+        """Sorted ids of the target pieces that occur (`model.restrict_output`)."""
+        return torch.tensor(sorted({i for s in self.tgt_ids for i in s}), dtype=torch.long)
+
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """Flat int32 ids and per-sentence lengths of both sides (for a checkpoint)."""
         out = {}

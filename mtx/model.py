@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtx.config import ModelConfig
-from mtx.tokenizer import PAD
+from mtx.tokenizer import EOS, PAD, UNK
 
 _CPU_LOW_PRECISION = [SDPBackend.MATH]
 # On CPU, attention over at most this many keys runs as explicit products + softmax (measured
@@ -281,9 +281,30 @@ class DecoderLayer(nn.Module):
 class Seq2Seq(nn.Module):
     """The Transformer: `encode(src, src_mask)` and `decode(tgt, memory, src_mask, cache)`."""
 
-    def __init__(self, cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, joint_vocab: bool) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        src_vocab_size: int,
+        tgt_vocab_size: int,
+        joint_vocab: bool,
+        output_ids: torch.Tensor | None = None,
+    ) -> None:
+        """`output_ids`: the target ids the output softmax covers (`model.restrict_output`; EOS
+        and UNK are always added), None for the whole target vocabulary."""
         super().__init__()
         self.cfg = cfg
+        self.output_ids: torch.Tensor | None = None
+        self.eos_column = EOS
+        if output_ids is not None:  # sorted ids; column c of the logits is token output_ids[c]
+            ids = torch.cat([output_ids.long().flatten().cpu(), torch.tensor([EOS, UNK])]).unique()
+            if int(ids[0]) < 0 or int(ids[-1]) >= tgt_vocab_size:
+                raise ValueError(f"output_ids must lie in [0, {tgt_vocab_size}), got {ids[0]}..{ids[-1]}")
+            del self.output_ids
+            self.register_buffer("output_ids", ids)
+            self.register_buffer("_columns", torch.empty(tgt_vocab_size, dtype=torch.long), persistent=False)
+            self._index_output_ids()
+            # loading a state dict replaces output_ids: the columns follow
+            self.register_load_state_dict_post_hook(lambda module, _keys: module._index_output_ids())
         self.src_embed = Embedding(src_vocab_size, cfg.d_model, cfg.max_positions, cfg.dropout)
         share_src_tgt = cfg.tie_embeddings and joint_vocab
         self.tgt_embed = (
@@ -332,12 +353,30 @@ class Seq2Seq(nn.Module):
 
     @property
     def output_weight(self) -> torch.Tensor:
-        """(V, D) weight of the output projection (the target embedding when tied)."""
-        return self.tgt_embed.tokens.weight if self.output_proj is None else self.output_proj.weight
+        """(V, D) weight of the output projection (the target embedding when tied); with
+        `output_ids`, only their rows (V = len(output_ids))."""
+        weight = self.tgt_embed.tokens.weight if self.output_proj is None else self.output_proj.weight
+        return weight if self.output_ids is None else weight.index_select(0, self.output_ids)
 
     def project(self, states: torch.Tensor) -> torch.Tensor:
         """(..., D) decoder states -> (..., V) logits (tied to the target embedding by default)."""
         return F.linear(states, self.output_weight)
+
+    def _index_output_ids(self) -> None:
+        """Token id -> logit column (UNK's column for ids outside `output_ids`)."""
+        ids = self.output_ids
+        assert ids is not None
+        self._columns.fill_(int(torch.searchsorted(ids, torch.tensor(UNK, device=ids.device))))
+        self._columns[ids] = torch.arange(len(ids), device=ids.device)
+        self.eos_column = int(self._columns[EOS])
+
+    def output_columns(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> their logit columns (ids outside `output_ids` -> UNK's column)."""
+        return ids if self.output_ids is None else self._columns[ids]
+
+    def output_tokens(self, columns: torch.Tensor) -> torch.Tensor:
+        """Logit columns -> target token ids."""
+        return columns if self.output_ids is None else self.output_ids[columns]
 
     def decode(
         self,
@@ -346,7 +385,7 @@ class Seq2Seq(nn.Module):
         src_mask: torch.Tensor,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """(B, T) target ids -> (B, T, V) logits."""
+        """(B, T) target ids -> (B, T, V) logits (columns: see `output_tokens`)."""
         return self.project(self.decoder_states(tgt, memory, src_mask, cache))
 
     def new_cache(self) -> KVCache:

@@ -41,7 +41,8 @@ def length_penalty(length: int | torch.Tensor, alpha: float) -> float | torch.Te
 def _next_log_probs(
     model: Seq2Seq, tokens: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, cache: KVCache | None
 ) -> torch.Tensor:
-    """(N, t) prefixes -> (N, V) float32 log-probabilities of the next token. With a cache only
+    """(N, t) prefixes -> (N, V) float32 log-probabilities of the next token (V: the model's
+    output columns, `Seq2Seq.output_tokens`). With a cache only
     the last token is fed; without one the whole prefix is recomputed."""
     feed = tokens[:, -1:] if cache is not None else tokens
     logits = model.decode(feed, memory, src_mask, cache)[:, -1]  # (N, V)
@@ -83,12 +84,12 @@ def _drop_rows(keep: torch.Tensor, cache: KVCache | None, *tensors: torch.Tensor
     return [t.index_select(0, keep) for t in tensors]
 
 
-def _force_eos(log_probs: torch.Tensor, rows: list[int]) -> None:
+def _force_eos(log_probs: torch.Tensor, rows: list[int], eos_column: int) -> None:
     """Rows that reached their length limit may only end: every other token gets -inf."""
     index = torch.tensor(rows, dtype=torch.long, device=log_probs.device)
-    eos = log_probs[index, EOS]
+    eos = log_probs[index, eos_column]
     log_probs[index] = float("-inf")
-    log_probs[index, EOS] = eos
+    log_probs[index, eos_column] = eos
 
 
 @torch.inference_mode()
@@ -111,8 +112,9 @@ def greedy_search(
         log_probs = _next_log_probs(model, tokens, memory, src_mask, cache)
         forced = [i for i, r in enumerate(rows) if max_lens[r] <= step]
         if forced:
-            _force_eos(log_probs, forced)
-        best, token = log_probs.max(dim=-1)  # one row per sentence: max is cheaper than top_candidates
+            _force_eos(log_probs, forced, model.eos_column)
+        best, column = log_probs.max(dim=-1)  # one row per sentence: max is cheaper than top_candidates
+        token = model.output_tokens(column)
         sums = sums + best
         tokens = torch.cat([tokens, token[:, None]], dim=1)
         ended = token.tolist()
@@ -171,10 +173,10 @@ def beam_search(
         vocab = log_probs.shape[-1]
         forced = [g * k + j for g, sent in enumerate(sentences) if max_lens[sent] <= step for j in range(k)]
         if forced:
-            _force_eos(log_probs, forced)
+            _force_eos(log_probs, forced, model.eos_column)
         top_scores, top_index = top_candidates(scores, log_probs.view(m, k, vocab), 2 * k)  # (m, 2K), sorted
         top_beam = torch.div(top_index, vocab, rounding_mode="floor")
-        top_token = top_index % vocab
+        top_token = model.output_tokens(top_index % vocab)
         is_eos = top_token == EOS
 
         eos_top = is_eos[:, :k] & torch.isfinite(top_scores[:, :k])

@@ -203,7 +203,7 @@ def label_smoothed_loss(model: Seq2Seq, batch: Batch, smoothing: float) -> torch
     memory = model.encode(batch.src, src_mask)
     states = model.decoder_states(batch.tgt_in, memory, src_mask)  # (B, T, D)
     keep = batch.tgt_out != PAD
-    states, target = states[keep], batch.tgt_out[keep]  # (N, D), (N,)
+    states, target = states[keep], model.output_columns(batch.tgt_out[keep])  # (N, D), (N,)
     weight = model.output_weight
     if states.device.type == "cpu" and not torch.compiler.is_compiling():
         device = states.device.type
@@ -505,7 +505,19 @@ class Trainer:
         self.valid_ids = ParallelIds.encode(valid_src[:n_val], self.valid_refs, self.src_tok, self.tgt_tok)
         self.data_dir = data_dir
 
-        self.model = ckpt_io.build_model(cfg, self.src_tok, self.tgt_tok).to(self.device)
+        output_ids = self.train_ids.target_vocabulary() if cfg.model.restrict_output else None
+        self.model = ckpt_io.build_model(cfg, self.src_tok, self.tgt_tok, output_ids).to(self.device)
+        if self.model.output_ids is not None and ranks.is_main:
+            val_pieces = torch.tensor([i for s in self.valid_ids.tgt_ids for i in s], dtype=torch.long)
+            outside = int((~torch.isin(val_pieces, self.model.output_ids.cpu())).sum())
+            log.info(
+                "output softmax over %d of %d target pieces (model.restrict_output); val: %d of %d target "
+                "pieces lie outside it and count as UNK in the val loss",
+                len(self.model.output_ids),
+                self.tgt_tok.vocab_size,
+                outside,
+                len(val_pieces),
+            )
         self.vocab = ckpt_io.vocab_fingerprint(self.src_tok, self.tgt_tok)
         self.optimizer = make_optimizer(self.model, tc, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == torch.float16)

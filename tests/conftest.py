@@ -75,3 +75,21 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, small_data: Path) -> Path
     )
     assert main(args) == 0
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_restricted_run(tmp_path_factory: pytest.TempPathFactory, small_data: Path) -> Path:
+    """The tiny run with its softmax over the target pieces of train only (model.restrict_output)."""
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny_restricted"
+    args = tiny_args(
+        small_data,
+        run_dir,
+        "--set",
+        "train.max_steps=200",
+        "--set",
+        "train.eval_every=100",
+        "--set",
+        "model.restrict_output=true",
+    )
+    assert main(args) == 0
+    return run_dir

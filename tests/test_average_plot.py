@@ -40,6 +40,19 @@ def test_average_command_as_best_keeps_the_old_best(run_copy: Path, capsys: pyte
     assert main(["translate", "--run", str(run_copy), "--beam", "2", "Ein Hund läuft."]) == 0
 
 
+def test_average_and_translate_with_a_restricted_output(tiny_restricted_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(tiny_restricted_run, run)
+    assert main(["average", "--run", str(run), "--last", "2", "--as-best"]) == 0
+    best = load_checkpoint(run / "checkpoints" / "best.pt")["model"]
+    assert torch.equal(best["output_ids"], load_checkpoint(step_checkpoints(run)[-1])["model"]["output_ids"])
+    assert main(["translate", "--run", str(run), "--beam", "3", "Ein Hund läuft."]) == 0
+    (run / "config.yaml").write_text(
+        (run / "config.yaml").read_text().replace("restrict_output: true", "restrict_output: false")
+    )
+    assert main(["translate", "--run", str(run), "Ein Hund läuft."]) != 0  # one-line error, no traceback
+
+
 def test_average_refuses_checkpoints_of_another_run(run_copy: Path, tmp_path: Path) -> None:
     steps = step_checkpoints(run_copy)
     other = load_checkpoint(steps[-1])

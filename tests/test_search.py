@@ -11,9 +11,12 @@ from mtx.search import beam_search, greedy_search, length_penalty, top_candidate
 from mtx.tokenizer import EOS
 
 
-@pytest.fixture(scope="module")
-def run(tiny_run: Path) -> LoadedRun:
-    return load_run(tiny_run)
+@pytest.fixture(scope="module", params=["whole vocabulary", "restricted output"])
+def run(request: pytest.FixtureRequest) -> LoadedRun:
+    """Every search test runs on a model with the whole target vocabulary as output and on one
+    whose softmax covers only train's target pieces (logit columns != token ids)."""
+    fixture = "tiny_run" if request.param == "whole vocabulary" else "tiny_restricted_run"
+    return load_run(request.getfixturevalue(fixture))
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +90,14 @@ def test_overlong_input_is_truncated_with_a_warning(run: LoadedRun, caplog: pyte
     long = [7] * (run.model.cfg.max_positions + 20)
     hyps = translate_ids(run.model, [long], 2, 1.0, 1.2, 10, 100_000)
     assert len(hyps) == 1 and "truncated" in caplog.text
+
+
+def test_restricted_output_emits_only_its_tokens(tiny_restricted_run: Path, small_data: Path) -> None:
+    run = load_run(tiny_restricted_run)
+    allowed = set(run.model.output_ids.tolist())
+    assert len(allowed) < run.tgt_tok.vocab_size and EOS in allowed
+    src_ids = run.src_tok.encode_batch(read_lines(small_data / "val.de")[:40])
+    for beam in (1, 4):
+        hyps = translate_ids(run.model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=100_000, nbest=beam)
+        tokens = {t for hs in hyps for h in hs for t in h.tokens}
+        assert tokens and tokens <= allowed

@@ -9,8 +9,15 @@ import torch.nn.functional as F
 
 from mtx.cli import main
 from mtx.config import ModelConfig, TrainConfig
+from mtx.data import Batch
 from mtx.model import Seq2Seq, dropout
-from mtx.train import MovingAverage, ProjectedSmoothedCrossEntropy, SmoothedCrossEntropy, learning_rate
+from mtx.train import (
+    MovingAverage,
+    ProjectedSmoothedCrossEntropy,
+    SmoothedCrossEntropy,
+    label_smoothed_loss,
+    learning_rate,
+)
 
 from .conftest import tiny_args
 
@@ -70,6 +77,33 @@ def test_projected_loss_matches_cross_entropy_of_the_full_logits(dtype: torch.dt
     with torch.no_grad():  # validation: the value alone
         value = ProjectedSmoothedCrossEntropy.apply(states, weight, target, 0.0, False)
         assert value.item() == pytest.approx(F.cross_entropy(states @ weight.t(), target, reduction="sum").item())
+
+
+def test_restricted_output_loss_is_cross_entropy_over_the_chosen_rows() -> None:
+    """model.restrict_output: logit column c is token output_ids[c]; the fused CPU loss equals
+    F.cross_entropy of those columns, and its gradient reaches the tied embedding's rows."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0)
+    vocab = 300
+    output_ids = torch.arange(4, vocab, 2)  # even pieces only (EOS and UNK get added)
+    model = Seq2Seq(cfg, vocab, vocab, joint_vocab=True, output_ids=output_ids)
+    ids = model.output_ids
+    assert ids.tolist() == sorted({2, 3, *output_ids.tolist()}) and model.eos_column == 0
+    assert torch.equal(model.output_tokens(model.output_columns(ids)), ids)
+    assert model.output_columns(torch.tensor([5, 3])).tolist() == [1, 1]  # outside -> UNK's column
+    src = torch.randint(4, vocab, (3, 7))
+    tgt = ids[torch.randint(2, len(ids), (3, 6))]
+    batch = Batch(src, torch.cat([torch.full((3, 1), 1), tgt[:, :-1]], 1), tgt, 21, 18)
+    loss = label_smoothed_loss(model, batch, 0.1)
+    (grad,) = torch.autograd.grad(loss, model.tgt_embed.tokens.weight)
+    logits = model(batch.src, batch.tgt_in)
+    assert logits.shape == (3, 6, len(ids))
+    want = F.cross_entropy(
+        logits.reshape(-1, len(ids)), model.output_columns(tgt).reshape(-1), label_smoothing=0.1, reduction="sum"
+    )
+    (want_grad,) = torch.autograd.grad(want, model.tgt_embed.tokens.weight)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    assert torch.allclose(grad, want_grad, atol=1e-5)
 
 
 def test_moving_average_follows_its_formula_and_averages_a_tied_weight_once() -> None:
