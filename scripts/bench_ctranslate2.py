@@ -99,6 +99,14 @@ def convert(run: LoadedRun, out_dir: Path) -> None:
         _norm(s.attention.layer_norm, layer.sub_cross.norm)
     projection = model.tgt_embed.tokens.weight if model.output_proj is None else model.output_proj.weight
     spec.decoder.projection.weight = _np(projection)
+    if model.output_ids is not None:  # model.restrict_output: the other pieces can never be produced
+        bias = torch.full((projection.shape[0],), -1e9)
+        bias[model.output_ids] = 0.0
+        spec.decoder.projection.bias = _np(bias)
+        print(
+            f"note: mtx's softmax covers {len(model.output_ids)} of {projection.shape[0]} target pieces "
+            "(model.restrict_output); CTranslate2 gets all of them, the others at a bias of -1e9"
+        )
     spec.register_source_vocabulary(_vocab(run.src_tok))
     spec.register_target_vocabulary(_vocab(run.tgt_tok))
     spec.config.add_source_eos = True  # mtx's encoder input ends with EOS

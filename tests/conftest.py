@@ -79,7 +79,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory, small_data: Path) -> Path
 
 @pytest.fixture(scope="session")
 def tiny_restricted_run(tmp_path_factory: pytest.TempPathFactory, small_data: Path) -> Path:
-    """The tiny run with its softmax over the target pieces of train only (model.restrict_output)."""
+    """The tiny run with its softmax over the target pieces of train only (model.restrict_output),
+    and a moving average of its weights."""
     run_dir = tmp_path_factory.mktemp("runs") / "tiny_restricted"
     args = tiny_args(
         small_data,
@@ -90,6 +91,8 @@ def tiny_restricted_run(tmp_path_factory: pytest.TempPathFactory, small_data: Pa
         "train.eval_every=100",
         "--set",
         "model.restrict_output=true",
+        "--set",
+        "train.ema=0.99",
     )
     assert main(args) == 0
     return run_dir

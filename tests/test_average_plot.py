@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtx.checkpoint import average_checkpoints, load_checkpoint, step_checkpoints
+from mtx.checkpoint import average_checkpoints, load_checkpoint, load_run, step_checkpoints
 from mtx.cli import main
 from mtx.errors import CheckpointError
 
@@ -47,6 +47,8 @@ def test_average_and_translate_with_a_restricted_output(tiny_restricted_run: Pat
     best = load_checkpoint(run / "checkpoints" / "best.pt")["model"]
     assert torch.equal(best["output_ids"], load_checkpoint(step_checkpoints(run)[-1])["model"]["output_ids"])
     assert main(["translate", "--run", str(run), "--beam", "3", "Ein Hund läuft."]) == 0
+    ema = load_run(run, run / "checkpoints" / "ema.pt")  # the moving average keeps output_ids too
+    assert torch.equal(ema.model.output_ids, best["output_ids"])
     (run / "config.yaml").write_text(
         (run / "config.yaml").read_text().replace("restrict_output: true", "restrict_output: false")
     )
