@@ -293,14 +293,14 @@ class Seq2Seq(nn.Module):
         and UNK are always added), None for the whole target vocabulary."""
         super().__init__()
         self.cfg = cfg
-        self.output_ids: torch.Tensor | None = None
+        self.output_ids: torch.Tensor | None
+        self.register_buffer("output_ids", None)  # None: not in the state dict
         self.eos_column = EOS
         if output_ids is not None:  # sorted ids; column c of the logits is token output_ids[c]
             ids = torch.cat([output_ids.long().flatten().cpu(), torch.tensor([EOS, UNK])]).unique()
             if int(ids[0]) < 0 or int(ids[-1]) >= tgt_vocab_size:
                 raise ValueError(f"output_ids must lie in [0, {tgt_vocab_size}), got {ids[0]}..{ids[-1]}")
-            del self.output_ids
-            self.register_buffer("output_ids", ids)
+            self.output_ids = ids  # assigning a tensor to a registered buffer name sets the buffer
             self.register_buffer("_columns", torch.empty(tgt_vocab_size, dtype=torch.long), persistent=False)
             self._index_output_ids()
             # loading a state dict replaces output_ids: the columns follow
