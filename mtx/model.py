@@ -352,10 +352,16 @@ class Seq2Seq(nn.Module):
         return self.decoder_norm(x)
 
     @property
+    def output_table(self) -> torch.Tensor:
+        """(V_tgt, D) rows of every target piece: the target embedding when tied, else the
+        output projection's weight (whatever `output_ids` restricts the softmax to)."""
+        return self.tgt_embed.tokens.weight if self.output_proj is None else self.output_proj.weight
+
+    @property
     def output_weight(self) -> torch.Tensor:
-        """(V, D) weight of the output projection (the target embedding when tied); with
-        `output_ids`, only their rows (V = len(output_ids))."""
-        weight = self.tgt_embed.tokens.weight if self.output_proj is None else self.output_proj.weight
+        """(V, D) weight of the output projection; with `output_ids`, only their rows of
+        `output_table` (V = len(output_ids))."""
+        weight = self.output_table
         return weight if self.output_ids is None else weight.index_select(0, self.output_ids)
 
     def project(self, states: torch.Tensor) -> torch.Tensor:

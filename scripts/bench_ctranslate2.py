@@ -97,7 +97,7 @@ def convert(run: LoadedRun, out_dir: Path) -> None:
         _linear(s.attention.linear[1], layer.cross_attn.kv_proj)
         _linear(s.attention.linear[2], layer.cross_attn.out_proj)
         _norm(s.attention.layer_norm, layer.sub_cross.norm)
-    projection = model.tgt_embed.tokens.weight if model.output_proj is None else model.output_proj.weight
+    projection = model.output_table
     spec.decoder.projection.weight = _np(projection)
     if model.output_ids is not None:  # model.restrict_output: the other pieces can never be produced
         bias = torch.full((projection.shape[0],), -1e9)
@@ -169,7 +169,7 @@ def main() -> None:
 
     def mtx_pass(beam: int) -> tuple[float, list[list[int]]]:
         start = time.perf_counter()
-        out = [hyp for x in padded for hyp in decode_tokens(run, x, beam, a, b, alpha)]
+        out = [hyp for x in padded for hyp in decode_tokens(run.model, x, beam, a, b, alpha)]
         return time.perf_counter() - start, out
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,9 +1,12 @@
 """Decoding speed on test_2016_flickr: greedy and beam 5, with and without the KV cache.
 
-All four settings decode the same sentences in the same batches, timed alternately per batch
-(A B C D A B C D ...) so that machine noise hits them alike. Without `--run`, a run is trained
-first (tiny config unless `--config` is given; `--set` overrides apply to it). The last line
-is JSON for scripts.
+All settings decode the same sentences in the same batches, timed alternately per batch
+(A B C D A B C D ...) so that machine noise hits them alike. When the run's model restricts its
+softmax to the target pieces of train (`model.restrict_output`), the same weights with the softmax
+computed over the whole vocabulary are timed beside it (cached greedy and beam 5; the other pieces
+at -inf, so the outputs stay the same), which measures what the restriction buys in decoding.
+Without `--run`, a run is trained first (tiny config unless `--config` is given; `--set`
+overrides apply to it). The last line is JSON for scripts.
 
     python scripts/bench_decode.py [--run runs/NAME] [--config FILE] [--set KEY=VALUE ...]
         [--threads 2] [--batch-sentences 64] [--sentences 1000] [--no-length-cap]
@@ -18,12 +21,14 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.cli import main as mtx_main  # noqa: E402
 from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
+from mtx.model import Seq2Seq  # noqa: E402
 from mtx.search import beam_search, greedy_search  # noqa: E402
 from mtx.tokenizer import EOS  # noqa: E402
 
@@ -33,6 +38,7 @@ SETTINGS = {
     "beam 5, cache": (5, True),
     "beam 5, no cache": (5, False),
 }
+WHOLE_VOCAB = {"greedy, whole vocab": 1, "beam 5, whole vocab": 5}  # cached; restricted runs only
 
 
 def split_batches(
@@ -53,12 +59,35 @@ def split_batches(
 
 
 def decode_tokens(
-    run: LoadedRun, batch: torch.Tensor, beam: int, a: float, b: int, alpha: float, cache: bool = True
+    model: Seq2Seq, batch: torch.Tensor, beam: int, a: float, b: int, alpha: float, cache: bool = True
 ) -> list[list[int]]:
     """Output ids of a padded (B, S) batch: greedy for beam 1, else the best of a beam search."""
     if beam == 1:
-        return [h.tokens for h in greedy_search(run.model, batch, a, b, use_cache=cache)]
-    return [h[0].tokens for h in beam_search(run.model, batch, beam, alpha, a, b, use_cache=cache)]
+        return [h.tokens for h in greedy_search(model, batch, a, b, use_cache=cache)]
+    return [h[0].tokens for h in beam_search(model, batch, beam, alpha, a, b, use_cache=cache)]
+
+
+class WholeVocabulary(Seq2Seq):
+    """Logits over every target piece, those outside `allowed` at -inf: a restricted model's
+    outputs at the cost of a whole-vocabulary softmax (its untrained rows would otherwise win)."""
+
+    def __init__(self, run: LoadedRun, allowed: torch.Tensor) -> None:
+        cfg = run.cfg
+        super().__init__(cfg.model, run.src_tok.vocab_size, run.tgt_tok.vocab_size, joint_vocab=cfg.tokenizer.joint)
+        bias = torch.full((run.tgt_tok.vocab_size,), float("-inf"))
+        bias[allowed] = 0.0
+        self.register_buffer("outside", bias, persistent=False)
+
+    def project(self, states: torch.Tensor) -> torch.Tensor:
+        return F.linear(states, self.output_weight, self.outside)
+
+
+def whole_vocabulary_copy(run: LoadedRun) -> Seq2Seq:
+    """The run's restricted model, the same weights, its softmax over the whole vocabulary."""
+    assert run.model.output_ids is not None
+    whole = WholeVocabulary(run, run.model.output_ids)
+    whole.load_state_dict({k: v for k, v in run.model.state_dict().items() if k != "output_ids"})
+    return whole.eval()
 
 
 def main() -> None:
@@ -91,17 +120,20 @@ def main() -> None:
     b = cfg.decode.max_len_b
     alpha = cfg.decode.length_penalty
 
-    def decode(batch: torch.Tensor, beam: int, cache: bool) -> list[list[int]]:
-        return decode_tokens(run, batch, beam, a, b, alpha, cache)
-
-    decode(batches[0], 5, True)  # warm up
-    seconds = dict.fromkeys(SETTINGS, 0.0)
-    out_tokens = dict.fromkeys(SETTINGS, 0)
-    outputs: dict[str, list[list[int]]] = {name: [] for name in SETTINGS}
+    # name -> (model, beam, cache)
+    settings = {name: (run.model, beam, cache) for name, (beam, cache) in SETTINGS.items()}
+    if run.model.output_ids is not None:
+        whole = whole_vocabulary_copy(run)
+        settings |= {name: (whole, beam, True) for name, beam in WHOLE_VOCAB.items()}
+        decode_tokens(whole, batches[0], 5, a, b, alpha)  # warm up
+    decode_tokens(run.model, batches[0], 5, a, b, alpha)  # warm up
+    seconds = dict.fromkeys(settings, 0.0)
+    out_tokens = dict.fromkeys(settings, 0)
+    outputs: dict[str, list[list[int]]] = {name: [] for name in settings}
     for batch in batches:
-        for name, (beam, cache) in SETTINGS.items():
+        for name, (model, beam, cache) in settings.items():
             start = time.perf_counter()
-            hyps = decode(batch, beam, cache)
+            hyps = decode_tokens(model, batch, beam, a, b, alpha, cache)
             seconds[name] += time.perf_counter() - start
             out_tokens[name] += sum(len(h) + 1 for h in hyps)  # + EOS
             outputs[name] += hyps
@@ -109,10 +141,10 @@ def main() -> None:
     print(f"{run_dir}: {cfg.model.d_model}d {cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers} layers, ", end="")
     print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences), {args.threads} threads, ", end="")
     print(f"batches of {args.batch_sentences} sentences, max length {a}*src+{b}")
-    print(f"{'setting':18s} {'sent/s':>8s} {'out tok/s':>10s} {'mean len':>9s} {'seconds':>8s}")
-    for name in SETTINGS:
+    print(f"{'setting':20s} {'sent/s':>8s} {'out tok/s':>10s} {'mean len':>9s} {'seconds':>8s}")
+    for name in settings:
         print(
-            f"{name:18s} {n / seconds[name]:8.1f} {out_tokens[name] / seconds[name]:10.0f} "
+            f"{name:20s} {n / seconds[name]:8.1f} {out_tokens[name] / seconds[name]:10.0f} "
             f"{out_tokens[name] / n:9.2f} {seconds[name]:8.2f}"
         )
     same = {
@@ -120,6 +152,18 @@ def main() -> None:
         "beam5": outputs["beam 5, cache"] == outputs["beam 5, no cache"],
     }
     print(f"cached == uncached outputs: greedy {same['greedy']}, beam 5 {same['beam5']}")
+    restricted: dict[str, float] = {}
+    identical: dict[str, float] = {}
+    if run.model.output_ids is not None:
+        print(f"restricted softmax: {len(run.model.output_ids)} of {run.tgt_tok.vocab_size} target pieces")
+        for key, mine, whole_name in (
+            ("greedy", "greedy, cache", "greedy, whole vocab"),
+            ("beam5", "beam 5, cache", "beam 5, whole vocab"),
+        ):
+            restricted[key] = round(seconds[whole_name] / seconds[mine], 3)
+            agree = sum(x == y for x, y in zip(outputs[mine], outputs[whole_name], strict=True))
+            identical[key] = round(agree / n, 4)
+            print(f"  {key}: {restricted[key]:.3f}x the whole vocabulary's speed, outputs identical for {agree} of {n}")
     print(
         json.dumps(
             {
@@ -131,6 +175,8 @@ def main() -> None:
                 "greedy_cache_speedup": round(seconds["greedy, no cache"] / seconds["greedy, cache"], 3),
                 "beam5_slowdown_vs_greedy": round(seconds["beam 5, cache"] / seconds["greedy, cache"], 3),
                 "cached_equals_uncached": same,
+                "restricted_output_speedup": restricted or None,
+                "restricted_output_identical": identical or None,
             }
         )
     )

@@ -3,12 +3,13 @@
 Scores on the run's val split, with the run's beam size: the best single checkpoint, then the
 average of the last N step checkpoints for each N in `--last`, and the moving average of the
 weights (checkpoints/ema.pt, when trained with train.ema), all with the config's length penalty;
-then, on the best of those, each length penalty in `--length-penalty`. BLEU is computed as
+then, on the best of those, each length penalty in `--length-penalty`, then, with the best
+penalty, each beam size in `--beam` (default: the config's only). BLEU is computed as
 `mtx eval` computes it. With `--apply` the chosen average becomes the run's best.pt (the single
 best is kept as best_single.pt). The last line is JSON for scripts.
 
     python scripts/choose_on_val.py --run runs/NAME [--last 3,4,5,7,10]
-        [--length-penalty 0.6,1.0,1.4] [--threads 2] [--apply]
+        [--length-penalty 0.6,1.0,1.4] [--beam 5,8,12] [--threads 2] [--apply]
 """
 
 from __future__ import annotations
@@ -46,9 +47,19 @@ def numbers(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
-def val_bleu(run: LoadedRun, src_ids: list[list[int]], refs: list[str], alpha: float) -> float:
+def beam_sizes(text: str) -> list[int]:
+    """'5,8' -> [5, 8]; an argparse type like `numbers`."""
+    sizes = numbers(text)
+    if any(b != int(b) or b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 1, got {text!r}")
+    return [int(b) for b in sizes]
+
+
+def val_bleu(run: LoadedRun, src_ids: list[list[int]], refs: list[str], alpha: float, beam: int = 0) -> float:
+    """Val BLEU of the loaded model at length penalty `alpha` and `beam` (0: the config's)."""
     dc = run.cfg.decode
-    text = translate(run.model, run.tgt_tok, src_ids, dc.beam, alpha, dc.max_len_a, dc.max_len_b, dc.batch_tokens)
+    beam = beam or dc.beam
+    text = translate(run.model, run.tgt_tok, src_ids, beam, alpha, dc.max_len_a, dc.max_len_b, dc.batch_tokens)
     return corpus_scores(text, refs).bleu
 
 
@@ -59,6 +70,7 @@ def main() -> None:
         "--last", type=numbers, default="3,4,5,7,10", help="how many newest step checkpoints to average"
     )
     parser.add_argument("--length-penalty", type=numbers, default="0.6,0.8,1.0,1.2,1.4,1.6,2.0")
+    parser.add_argument("--beam", type=beam_sizes, default="", help="beam sizes to try (default: the config's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--apply", action="store_true", help="make the chosen average the run's best.pt")
     args = parser.parse_args()
@@ -109,13 +121,19 @@ def choose(args: argparse.Namespace) -> None:
             penalties[a] = val_bleu(run, src_ids, refs, a)
         print(f"  length penalty {a:g}: {penalties[a]:.2f}")
     best_alpha = max(penalties, key=lambda a: penalties[a])
-    print(f"chosen: {name}, length penalty {best_alpha:g}: val BLEU {penalties[best_alpha]:.2f}")
+    beams = {cfg.decode.beam: penalties[best_alpha]}
+    for b in args.beam:
+        if b not in beams:
+            beams[b] = val_bleu(run, src_ids, refs, best_alpha, b)
+        print(f"  beam {b} (length penalty {best_alpha:g}): {beams[b]:.2f}")
+    best_beam = max(beams, key=lambda b: beams[b])
+    print(f"chosen: {name}, length penalty {best_alpha:g}, beam {best_beam}: val BLEU {beams[best_beam]:.2f}")
     if args.apply and chosen is not single_ckpt:
         print(f"{make_best(args.run, chosen)} is now the {name}")
     elif args.apply and single.name == "best_single.pt":  # an earlier average was best.pt
         atomic_save(single_ckpt, ckpts / "best.pt")
         print(f"{single} is now {ckpts / 'best.pt'} again")
-    result = {"chosen": name, "length_penalty": best_alpha, "val_bleu": round(penalties[best_alpha], 2)}
+    result = {"chosen": name, "length_penalty": best_alpha, "beam": best_beam, "val_bleu": round(beams[best_beam], 2)}
     print(json.dumps(result))
 
 

@@ -74,6 +74,7 @@ def test_plot_writes_a_png(run_copy: Path) -> None:
 def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run_copy: Path) -> None:
     script = Path(__file__).resolve().parent.parent / "scripts" / "choose_on_val.py"
     args = [sys.executable, str(script), "--run", str(run_copy), "--last", "2", "--length-penalty", "0.6,1.0"]
+    args += ["--beam", "1"]
     done = subprocess.run([*args, "--apply"], capture_output=True, text=True, check=True)
     lines = done.stdout.splitlines()
     assert any(line.startswith("best single") for line in lines)
@@ -82,11 +83,16 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run
     choice = json.loads(lines[-1])
     assert choice["length_penalty"] in (0.6, 1.0)
     penalties = [float(line.rsplit(": ", 1)[1]) for line in lines if line.startswith("  length penalty")]
-    assert len(penalties) == 2 and choice["val_bleu"] == pytest.approx(max(penalties), abs=0.01)
+    beams = [float(line.rsplit(": ", 1)[1]) for line in lines if line.startswith("  beam 1 (length penalty")]
+    assert len(penalties) == 2 and len(beams) == 1
+    assert choice["val_bleu"] == pytest.approx(max(*penalties, *beams), abs=0.01)
+    assert choice["beam"] == (1 if beams[0] > max(penalties) else load_run(run_copy).cfg.decode.beam)
     best = load_checkpoint(run_copy / "checkpoints" / "best.pt")
     assert ("averaged_from" in best) == (choice["chosen"] == "average of the last 2")
     assert ("ema_decay" in best) == (choice["chosen"] == "moving average")
     assert (run_copy / "checkpoints" / "best_single.pt").is_file() == (choice["chosen"] != "best single")
+    bad_beam = subprocess.run([*args[:4], "--beam", "2.5"], capture_output=True, text=True)
+    assert bad_beam.returncode == 2 and "expected comma-separated whole numbers >= 1, got '2.5'" in bad_beam.stderr
     missing = subprocess.run([*args[:2], "--run", str(run_copy / "nowhere")], capture_output=True, text=True)
     assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
         f"choose_on_val: error: {run_copy / 'nowhere'}: run directory not found"
