@@ -145,12 +145,15 @@ def beam_search(
     """Batched beam search of a (B, S) batch; per sentence the `nbest` best hypotheses.
 
     A finished hypothesis comes from an EOS among the top `beam` candidates of a step. A
-    sentence stops once it holds `beam` finished hypotheses and no running one can still beat
-    the worst of them: log-probabilities only fall, so a running hypothesis' best reachable
-    score is its current log-probability over the largest length penalty it could reach.
+    sentence stops once it holds `nbest` finished hypotheses and no running one can still beat
+    the `nbest`-th best of them, so the list returned is the one that running to the length cap
+    would return: log-probabilities only fall, so a running hypothesis' best reachable score is
+    its current log-probability over the largest length penalty it could reach. (Waiting for
+    `beam` finished hypotheses when fewer are returned would only decode rows that cannot
+    change the result.)
     """
-    if nbest > beam:
-        raise ValueError(f"nbest ({nbest}) must not exceed beam ({beam})")
+    if not 1 <= nbest <= beam:
+        raise ValueError(f"nbest ({nbest}) must lie in 1..beam ({beam})")
     k = beam
     n = src.shape[0]
     device = src.device
@@ -196,8 +199,8 @@ def beam_search(
         best_alive = scores[:, 0].tolist()
         keep = []
         for i, sent in enumerate(sentences):
-            done = len(finished[sent]) >= k and _cannot_improve(
-                finished[sent], k, best_alive[i], max_lens[sent], step, alpha
+            done = len(finished[sent]) >= nbest and _cannot_improve(
+                finished[sent], nbest, best_alive[i], max_lens[sent], step, alpha
             )
             if not done and step < max_lens[sent]:
                 keep.append(i)
@@ -221,12 +224,12 @@ def beam_search(
 
 
 def _cannot_improve(
-    finished: list[Hypothesis], k: int, best_alive: float, max_len: int, step: int, alpha: float
+    finished: list[Hypothesis], rank: int, best_alive: float, max_len: int, step: int, alpha: float
 ) -> bool:
-    """True when no running hypothesis can beat the K-th best finished one."""
+    """True when no running hypothesis can beat the `rank`-th best finished one."""
     if best_alive == float("-inf"):
         return True
-    kth = sorted((h.score for h in finished), reverse=True)[k - 1]
+    kth = sorted((h.score for h in finished), reverse=True)[rank - 1]
     # best_alive <= 0 and can only fall; its best normalised score uses the largest penalty
     bound = best_alive / length_penalty(max_len if best_alive < 0 else step + 1, alpha)
     return bound <= kth

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mtx import search
 from mtx.checkpoint import LoadedRun, load_run
 from mtx.data import pad_ids, read_lines
 from mtx.search import beam_search, greedy_search, length_penalty, top_candidates, translate_ids
@@ -78,6 +79,31 @@ def test_nbest_sorted_and_first_is_one_best(run: LoadedRun, src_ids: list[list[i
         assert hyps[0].tokens == one[0].tokens
         for h in hyps:  # score is the length-normalised log-probability
             assert h.score == pytest.approx(h.log_prob / length_penalty(len(h.tokens) + 1, 1.0), abs=1e-5)
+
+
+def test_stopping_at_the_nbest_th_finished_hypothesis_changes_no_output(
+    run: LoadedRun, src_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1-best search stops once its best finished hypothesis cannot be beaten: the same
+    output and score as a search that waits for `beam` of them, from fewer decoded rows."""
+    rows = []
+    next_log_probs = search._next_log_probs
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        out = next_log_probs(*args, **kwargs)
+        rows[-1] += out.shape[0]
+        return out
+
+    monkeypatch.setattr(search, "_next_log_probs", counting)
+    src = _batch(src_ids)
+    results = []
+    for nbest in (5, 1):
+        rows.append(0)
+        results.append(beam_search(run.model, src, 5, 1.4, 1.2, 10, nbest=nbest))
+    waited, early = results
+    assert [h[0].tokens for h in early] == [h[0].tokens for h in waited]
+    assert [h[0].score for h in early] == pytest.approx([h[0].score for h in waited], abs=1e-5)
+    assert rows[1] < rows[0]
 
 
 def test_output_length_cap_and_empty_input(run: LoadedRun, src_ids: list[list[int]]) -> None:
