@@ -229,10 +229,10 @@ def _cannot_improve(
     """True when no running hypothesis can beat the `rank`-th best finished one."""
     if best_alive == float("-inf"):
         return True
-    kth = sorted((h.score for h in finished), reverse=True)[rank - 1]
+    nth = sorted((h.score for h in finished), reverse=True)[rank - 1]
     # best_alive <= 0 and can only fall; its best normalised score uses the largest penalty
     bound = best_alive / length_penalty(max_len if best_alive < 0 else step + 1, alpha)
-    return bound <= kth
+    return bound <= nth
 
 
 def _decode_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
