@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_decode import decode_tokens, split_batches  # noqa: E402
+from bench_decode import decode_tokens, outside_bias, split_batches  # noqa: E402
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.data import pad_ids  # noqa: E402
@@ -100,9 +100,7 @@ def convert(run: LoadedRun, out_dir: Path) -> None:
     projection = model.output_table
     spec.decoder.projection.weight = _np(projection)
     if model.output_ids is not None:  # model.restrict_output: the other pieces can never be produced
-        bias = torch.full((projection.shape[0],), -1e9)
-        bias[model.output_ids] = 0.0
-        spec.decoder.projection.bias = _np(bias)
+        spec.decoder.projection.bias = _np(outside_bias(model, -1e9))
         print(
             f"note: mtx's softmax covers {len(model.output_ids)} of {projection.shape[0]} target pieces "
             "(model.restrict_output); CTranslate2 gets all of them, the others at a bias of -1e9"

@@ -67,27 +67,29 @@ def decode_tokens(
     return [h[0].tokens for h in beam_search(model, batch, beam, alpha, a, b, use_cache=cache)]
 
 
-class WholeVocabulary(Seq2Seq):
-    """Logits over every target piece, those outside `allowed` at -inf: a restricted model's
-    outputs at the cost of a whole-vocabulary softmax (its untrained rows would otherwise win)."""
+def outside_bias(model: Seq2Seq, value: float) -> torch.Tensor:
+    """(V_tgt,) logit bias of a restricted model (`model.restrict_output`): 0 at the pieces its
+    softmax covers, `value` at the others."""
+    assert model.output_ids is not None
+    bias = torch.full((model.output_table.shape[0],), value)
+    bias[model.output_ids] = 0.0
+    return bias
 
-    def __init__(self, run: LoadedRun, allowed: torch.Tensor) -> None:
+
+class WholeVocabulary(Seq2Seq):
+    """A restricted run's model, the same weights, its logits over every target piece with the
+    pieces outside its softmax at -inf: the restricted model's outputs at the cost of a
+    whole-vocabulary softmax (its untrained rows would otherwise win)."""
+
+    def __init__(self, run: LoadedRun) -> None:
         cfg = run.cfg
         super().__init__(cfg.model, run.src_tok.vocab_size, run.tgt_tok.vocab_size, joint_vocab=cfg.tokenizer.joint)
-        bias = torch.full((run.tgt_tok.vocab_size,), float("-inf"))
-        bias[allowed] = 0.0
-        self.register_buffer("outside", bias, persistent=False)
+        self.load_state_dict({k: v for k, v in run.model.state_dict().items() if k != "output_ids"})
+        self.register_buffer("outside", outside_bias(run.model, float("-inf")), persistent=False)
+        self.eval()
 
     def project(self, states: torch.Tensor) -> torch.Tensor:
         return F.linear(states, self.output_weight, self.outside)
-
-
-def whole_vocabulary_copy(run: LoadedRun) -> Seq2Seq:
-    """The run's restricted model, the same weights, its softmax over the whole vocabulary."""
-    assert run.model.output_ids is not None
-    whole = WholeVocabulary(run, run.model.output_ids)
-    whole.load_state_dict({k: v for k, v in run.model.state_dict().items() if k != "output_ids"})
-    return whole.eval()
 
 
 def main() -> None:
@@ -123,7 +125,7 @@ def main() -> None:
     # name -> (model, beam, cache)
     settings = {name: (run.model, beam, cache) for name, (beam, cache) in SETTINGS.items()}
     if run.model.output_ids is not None:
-        whole = whole_vocabulary_copy(run)
+        whole = WholeVocabulary(run)
         settings |= {name: (whole, beam, True) for name, beam in WHOLE_VOCAB.items()}
         decode_tokens(whole, batches[0], 5, a, b, alpha)  # warm up
     decode_tokens(run.model, batches[0], 5, a, b, alpha)  # warm up
