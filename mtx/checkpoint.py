@@ -14,7 +14,7 @@ import pickle
 import re
 import warnings
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -23,7 +23,7 @@ import torch
 
 from mtx.config import Config, load_config
 from mtx.errors import CheckpointError
-from mtx.model import Seq2Seq
+from mtx.model import Ensemble, Seq2Seq
 from mtx.tokenizer import BPE, load_run_tokenizers
 
 FORMAT_VERSION = 1
@@ -186,10 +186,10 @@ def vocab_fingerprint(src_tok: BPE, tgt_tok: BPE) -> str:
 @dataclass
 class LoadedRun:
     cfg: Config
-    model: Seq2Seq
+    model: Seq2Seq | Ensemble
     src_tok: BPE
     tgt_tok: BPE
-    checkpoint: Path
+    checkpoints: list[Path]
 
 
 def build_model(cfg: Config, src_tok: BPE, tgt_tok: BPE, output_ids: torch.Tensor | None = None) -> Seq2Seq:
@@ -210,27 +210,38 @@ def saved_output_ids(ckpt: dict[str, Any], path: Path, cfg: Config) -> torch.Ten
     return ids
 
 
-def load_run(run_dir: Path, checkpoint: Path | None = None, device: torch.device | None = None) -> LoadedRun:
-    """Model and tokenizers of a run, from `checkpoint` or best.pt (else last.pt)."""
+def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.device | None = None) -> LoadedRun:
+    """Model and tokenizers of a run, from `checkpoints` or best.pt (else last.pt); two or more
+    checkpoints (of this run's vocabulary) decode as one `Ensemble`."""
     cfg = load_run_config(run_dir)
     src_tok, tgt_tok = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
-    if checkpoint is None:
+    if not checkpoints:
         ckpts = checkpoint_dir(run_dir)
         candidates = [ckpts / "best.pt", ckpts / "last.pt"]
-        checkpoint = next((p for p in candidates if p.is_file()), None)
-        if checkpoint is None:
+        default = next((p for p in candidates if p.is_file()), None)
+        if default is None:
             raise CheckpointError(
                 f"{run_dir}: no checkpoints yet; train it first: "
                 f"mtx train --config {run_dir / CONFIG_FILE} --run-dir {run_dir}"
             )
-    ckpt = load_checkpoint(checkpoint)
-    model = build_model(cfg, src_tok, tgt_tok, saved_output_ids(ckpt, checkpoint, cfg))
-    check_compatible(ckpt, checkpoint, vocab_fingerprint(src_tok, tgt_tok), model)
-    model.load_state_dict(ckpt["model"])
-    model.eval()
-    if device is not None:
-        model.to(device)
-    return LoadedRun(cfg, model, src_tok, tgt_tok, checkpoint)
+        checkpoints = [default]
+    members = []
+    for path in checkpoints:
+        ckpt = load_checkpoint(path)
+        member = build_model(cfg, src_tok, tgt_tok, saved_output_ids(ckpt, path, cfg))
+        check_compatible(ckpt, path, vocab_fingerprint(src_tok, tgt_tok), member)
+        member.load_state_dict(ckpt["model"])
+        member.eval()
+        if device is not None:
+            member.to(device)
+        members.append(member)
+    if len(members) == 1:
+        return LoadedRun(cfg, members[0], src_tok, tgt_tok, list(checkpoints))
+    try:
+        ensemble = Ensemble(members)
+    except ValueError as e:  # restricted softmaxes over different pieces
+        raise CheckpointError(f"{', '.join(map(str, checkpoints))}: {e}") from None
+    return LoadedRun(cfg, ensemble, src_tok, tgt_tok, list(checkpoints))
 
 
 def average_checkpoints(paths: list[Path]) -> dict[str, Any]:

@@ -41,7 +41,14 @@ def _setup_logging(verbose: bool) -> None:
 
 def _add_decode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, type=Path, help="run directory written by mtx train")
-    p.add_argument("--checkpoint", type=Path, help="checkpoint file (default: the run's best.pt, else last.pt)")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        action="append",
+        default=[],
+        help="checkpoint file (default: the run's best.pt, else last.pt); repeat it to decode with the "
+        "ensemble of several checkpoints of the run (mean of their next-token probabilities)",
+    )
     p.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: the run's decode.beam)")
     p.add_argument("--length-penalty", type=float, help="GNMT length penalty alpha (default: decode.length_penalty)")
     p.add_argument("--batch-tokens", type=int, help="decode batch size in source tokens (default: decode.batch_tokens)")
@@ -279,7 +286,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{name} {result['direction']} beam {beam} ({len(src)} sentences, {run.checkpoint})")
+    print(f"{name} {result['direction']} beam {beam} ({len(src)} sentences, {', '.join(map(str, run.checkpoints))})")
     print(f"BLEU {scores.bleu:6.2f}  {scores.bleu_signature}")
     if args.lowercase:
         print(f"BLEU {result['bleu_lowercase']:6.2f}  {result['bleu_lowercase_signature']}  (lowercased)")

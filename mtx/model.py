@@ -401,3 +401,74 @@ class Seq2Seq(nn.Module):
         """Teacher-forced (B, T, V) logits."""
         src_mask = make_src_mask(src)
         return self.decode(tgt_in, self.encode(src, src_mask), src_mask)
+
+
+class EnsembleCache:
+    """One KV cache per ensemble member, reordered together."""
+
+    def __init__(self, caches: list[KVCache]) -> None:
+        self.caches = caches
+
+    @property
+    def length(self) -> int:
+        return self.caches[0].length
+
+    def reorder(self, index: torch.Tensor, cross_index: torch.Tensor | None = None) -> None:
+        for cache in self.caches:
+            cache.reorder(index, cross_index)
+
+
+class Ensemble(nn.Module):
+    """Several models over one target vocabulary decoding as one: the next-token distribution is
+    the mean of the members' distributions (checkpoint ensembles, Sennrich et al., 2016).
+
+    Search sees the `Seq2Seq` seam: `encode` concatenates the members' memories along D, so the
+    searches' row selection (dropping finished sentences) applies to all members at once, and
+    `decode` returns log mean probabilities (already normalised, so a log-softmax keeps them).
+    """
+
+    def __init__(self, members: list[Seq2Seq]) -> None:
+        super().__init__()
+        if len(members) < 2:
+            raise ValueError(f"an ensemble needs at least 2 models, got {len(members)}")
+        first = members[0]
+        for m in members[1:]:
+            same_rows = m.output_table.shape[0] == first.output_table.shape[0]
+            same_ids = (m.output_ids is None) == (first.output_ids is None) and (
+                m.output_ids is None or torch.equal(m.output_ids, first.output_ids)
+            )
+            if not (same_rows and same_ids):
+                raise ValueError("ensemble members must share the target vocabulary and output columns")
+        self.members = nn.ModuleList(members)
+        # the tightest position limit of any member bounds the output length
+        self.cfg = min((m.cfg for m in members), key=lambda c: c.max_positions)
+        self.eos_column = first.eos_column
+        self._widths = [m.cfg.d_model for m in members]
+
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        """(B, S) ids -> (B, S, sum of the members' D) memories side by side."""
+        return torch.cat([m.encode(src, src_mask) for m in self.members], dim=-1)
+
+    def decode(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor,
+        src_mask: torch.Tensor,
+        cache: EnsembleCache | None = None,
+    ) -> torch.Tensor:
+        """(B, T) target ids -> (B, T, V) float32 log of the members' mean next-token probability."""
+        memories = memory.split(self._widths, dim=-1)
+        caches = cache.caches if cache is not None else [None] * len(self.members)
+        log_probs = torch.stack(
+            [
+                torch.log_softmax(m.decode(tgt, mem, src_mask, c).float(), dim=-1)
+                for m, mem, c in zip(self.members, memories, caches, strict=True)
+            ]
+        )  # (N, B, T, V)
+        return torch.logsumexp(log_probs, dim=0) - math.log(len(self.members))
+
+    def output_tokens(self, columns: torch.Tensor) -> torch.Tensor:
+        return self.members[0].output_tokens(columns)
+
+    def new_cache(self) -> EnsembleCache:
+        return EnsembleCache([m.new_cache() for m in self.members])

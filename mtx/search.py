@@ -1,7 +1,8 @@
 """Greedy and beam search over batches of sentences, sharing the decoder KV cache code.
 
 Both searches drop sentences from the batch as soon as they are finished, so a batch costs
-what its longest output costs only for the sentences still running.
+what its longest output costs only for the sentences still running. Both take a `Seq2Seq` or an
+`Ensemble` of them (same seam: `encode`, `decode`, `new_cache`, `output_tokens`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from mtx.data import pad_ids
-from mtx.model import KVCache, Seq2Seq, make_src_mask
+from mtx.model import Ensemble, EnsembleCache, KVCache, Seq2Seq, make_src_mask
 from mtx.tokenizer import BOS, BPE, EOS, PAD
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ class Hypothesis:
     log_prob: float  # sum of token log-probabilities, EOS included
 
 
-def max_output_lengths(src: torch.Tensor, a: float, b: int, model: Seq2Seq) -> torch.Tensor:
+def max_output_lengths(src: torch.Tensor, a: float, b: int, model: Seq2Seq | Ensemble) -> torch.Tensor:
     """Per sentence: most output tokens (EOS included), `a * src_len + b`, within positions."""
     src_lens = (src != PAD).sum(dim=1)
     limit = model.cfg.max_positions - 1
@@ -39,7 +40,11 @@ def length_penalty(length: int | torch.Tensor, alpha: float) -> float | torch.Te
 
 
 def _next_log_probs(
-    model: Seq2Seq, tokens: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, cache: KVCache | None
+    model: Seq2Seq | Ensemble,
+    tokens: torch.Tensor,
+    memory: torch.Tensor,
+    src_mask: torch.Tensor,
+    cache: KVCache | EnsembleCache | None,
 ) -> torch.Tensor:
     """(N, t) prefixes -> (N, V) float32 log-probabilities of the next token (V: the model's
     output columns, `Seq2Seq.output_tokens`). With a cache only
@@ -77,7 +82,7 @@ def top_candidates(
     return top, flat.gather(1, position)
 
 
-def _drop_rows(keep: torch.Tensor, cache: KVCache | None, *tensors: torch.Tensor) -> list[torch.Tensor]:
+def _drop_rows(keep: torch.Tensor, cache: KVCache | EnsembleCache | None, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """Keep rows `keep` of every per-row tensor and of the cache (self and cross)."""
     if cache is not None:
         cache.reorder(keep, keep)
@@ -94,7 +99,7 @@ def _force_eos(log_probs: torch.Tensor, rows: list[int], eos_column: int) -> Non
 
 @torch.inference_mode()
 def greedy_search(
-    model: Seq2Seq, src: torch.Tensor, max_len_a: float, max_len_b: int, use_cache: bool = True
+    model: Seq2Seq | Ensemble, src: torch.Tensor, max_len_a: float, max_len_b: int, use_cache: bool = True
 ) -> list[Hypothesis]:
     """Arg-max decoding of a (B, S) batch, one hypothesis per sentence."""
     n = src.shape[0]
@@ -133,7 +138,7 @@ def greedy_search(
 
 @torch.inference_mode()
 def beam_search(
-    model: Seq2Seq,
+    model: Seq2Seq | Ensemble,
     src: torch.Tensor,
     beam: int,
     alpha: float,
@@ -251,7 +256,7 @@ def _decode_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]
 
 
 def translate_ids(
-    model: Seq2Seq,
+    model: Seq2Seq | Ensemble,
     src_ids: Sequence[Sequence[int]],
     beam: int,
     alpha: float,
@@ -289,7 +294,7 @@ def translate_ids(
 
 
 def translate(
-    model: Seq2Seq,
+    model: Seq2Seq | Ensemble,
     tgt_tok: BPE,
     src_ids: Sequence[Sequence[int]],
     beam: int,

@@ -2,19 +2,22 @@
 
 Scores on the run's val split, with the run's beam size: the best single checkpoint, then the
 average of the last N step checkpoints for each N in `--last`, and the moving average of the
-weights (checkpoints/ema.pt, when trained with train.ema), all with the config's length penalty;
-then, on the best of those, each length penalty in `--length-penalty`, then, with the best
-penalty, each beam size in `--beam` (default: the config's only). BLEU is computed as
-`mtx eval` computes it. With `--apply` the chosen average becomes the run's best.pt (the single
-best is kept as best_single.pt). The last line is JSON for scripts.
+weights (checkpoints/ema.pt, when trained with train.ema), and the ensemble of the last N step
+checkpoints for each N in `--ensemble` (decoded together, `mtx eval --checkpoint A --checkpoint B
+...`), all with the config's length penalty; then, on the best of those, each length penalty in
+`--length-penalty`, then, with the best penalty, each beam size in `--beam` (default: the
+config's only). BLEU is computed as `mtx eval` computes it. With `--apply` the chosen average
+becomes the run's best.pt (the single best is kept as best_single.pt); a chosen ensemble leaves
+best.pt alone and the script prints the `mtx eval` command that decodes it. The last line is JSON for scripts.
 
-    python scripts/choose_on_val.py --run runs/NAME [--last 3,4,5,7,10]
+    python scripts/choose_on_val.py --run runs/NAME [--last 3,4,5,7,10] [--ensemble 2,4]
         [--length-penalty 0.6,1.0,1.4] [--beam 5,8,12] [--threads 2] [--apply]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -36,6 +39,7 @@ from mtx.checkpoint import (  # noqa: E402
 from mtx.data import read_parallel, split_file  # noqa: E402
 from mtx.errors import MtxError  # noqa: E402
 from mtx.evaluate import corpus_scores  # noqa: E402
+from mtx.model import Ensemble, Seq2Seq  # noqa: E402
 from mtx.search import translate  # noqa: E402
 
 
@@ -55,11 +59,13 @@ def beam_sizes(text: str) -> list[int]:
     return [int(b) for b in sizes]
 
 
-def val_bleu(run: LoadedRun, src_ids: list[list[int]], refs: list[str], alpha: float, beam: int = 0) -> float:
-    """Val BLEU of the loaded model at length penalty `alpha` and `beam` (0: the config's)."""
+def val_bleu(
+    model: Seq2Seq | Ensemble, run: LoadedRun, src_ids: list[list[int]], refs: list[str], alpha: float, beam: int = 0
+) -> float:
+    """Val BLEU of `model` (of `run`) at length penalty `alpha` and `beam` (0: the config's)."""
     dc = run.cfg.decode
     beam = beam or dc.beam
-    text = translate(run.model, run.tgt_tok, src_ids, beam, alpha, dc.max_len_a, dc.max_len_b, dc.batch_tokens)
+    text = translate(model, run.tgt_tok, src_ids, beam, alpha, dc.max_len_a, dc.max_len_b, dc.batch_tokens)
     return corpus_scores(text, refs).bleu
 
 
@@ -71,9 +77,14 @@ def main() -> None:
     )
     parser.add_argument("--length-penalty", type=numbers, default="0.6,0.8,1.0,1.2,1.4,1.6,2.0")
     parser.add_argument("--beam", type=beam_sizes, default="", help="beam sizes to try (default: the config's)")
+    parser.add_argument(
+        "--ensemble", type=beam_sizes, default="2,4", help="ensembles of the newest N step checkpoints to try"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--apply", action="store_true", help="make the chosen average the run's best.pt")
     args = parser.parse_args()
+    if any(n < 2 for n in args.ensemble):
+        parser.error(f"argument --ensemble: an ensemble has at least 2 checkpoints, got {args.ensemble}")
     torch.set_num_threads(args.threads)
     try:
         choose(args)
@@ -82,10 +93,9 @@ def main() -> None:
 
 
 def choose(args: argparse.Namespace) -> None:
-
     ckpts = checkpoint_dir(args.run)
     single = ckpts / "best_single.pt" if (ckpts / "best_single.pt").is_file() else ckpts / "best.pt"
-    run = load_run(args.run, single)
+    run = load_run(args.run, [single])
     cfg = run.cfg
     data_dir = Path(cfg.data.dir)
     src, refs = read_parallel(
@@ -95,45 +105,63 @@ def choose(args: argparse.Namespace) -> None:
     alpha = cfg.decode.length_penalty
     print(f"{args.run}: val, beam {cfg.decode.beam}, length penalty {alpha:g}")
 
+    def score(model: Seq2Seq | Ensemble, a: float = alpha, beam: int = 0) -> float:
+        return val_bleu(model, run, src_ids, refs, a, beam)
+
+    def with_weights(payload: dict) -> Seq2Seq:
+        model = copy.deepcopy(run.model)
+        model.load_state_dict(payload["model"])
+        return model
+
     steps = step_checkpoints(args.run)
     single_ckpt = load_checkpoint(single)
-    # candidate name -> (checkpoint payload, val BLEU)
-    candidates = {"best single": (single_ckpt, val_bleu(run, src_ids, refs, alpha))}
-    print(f"best single ({single.name}, step {single_ckpt.get('step')}): {candidates['best single'][1]:.2f}")
+    # candidate name -> (model, checkpoint payload for --apply (None: an ensemble), val BLEU)
+    candidates: dict[str, tuple[Seq2Seq | Ensemble, dict | None, float]] = {
+        "best single": (run.model, single_ckpt, score(run.model))
+    }
+    print(f"best single ({single.name}, step {single_ckpt.get('step')}): {candidates['best single'][2]:.2f}")
     for n in sorted({int(x) for x in args.last}):
-        if not 1 <= n <= len(steps):
-            continue
-        payload = average_checkpoints(steps[-n:])
-        run.model.load_state_dict(payload["model"])
-        candidates[f"average of the last {n}"] = (payload, val_bleu(run, src_ids, refs, alpha))
-        print(f"average of the last {n}: {candidates[f'average of the last {n}'][1]:.2f}")
+        if 1 <= n <= len(steps):
+            payload = average_checkpoints(steps[-n:])
+            model = with_weights(payload)
+            candidates[f"average of the last {n}"] = (model, payload, score(model))
+            print(f"average of the last {n}: {candidates[f'average of the last {n}'][2]:.2f}")
     if (ckpts / "ema.pt").is_file():  # the moving average of the weights (train.ema)
         payload = load_checkpoint(ckpts / "ema.pt")
-        run.model.load_state_dict(payload["model"])
-        candidates["moving average"] = (payload, val_bleu(run, src_ids, refs, alpha))
-        print(f"moving average (ema.pt, decay {payload.get('ema_decay')}): {candidates['moving average'][1]:.2f}")
-    name = max(candidates, key=lambda k: candidates[k][1])
-    chosen = candidates[name][0]
-    run.model.load_state_dict(chosen["model"])
-    penalties = {alpha: candidates[name][1]}
+        model = with_weights(payload)
+        candidates["moving average"] = (model, payload, score(model))
+        print(f"moving average (ema.pt, decay {payload.get('ema_decay')}): {candidates['moving average'][2]:.2f}")
+    for n in sorted(set(args.ensemble)):
+        if 2 <= n <= len(steps):
+            model = load_run(args.run, steps[-n:]).model
+            candidates[f"ensemble of the last {n}"] = (model, None, score(model))
+            print(f"ensemble of the last {n}: {candidates[f'ensemble of the last {n}'][2]:.2f}")
+    name = max(candidates, key=lambda k: candidates[k][2])
+    model, chosen, bleu = candidates[name]
+    penalties = {alpha: bleu}
     for a in args.length_penalty:
         if a not in penalties:
-            penalties[a] = val_bleu(run, src_ids, refs, a)
+            penalties[a] = score(model, a)
         print(f"  length penalty {a:g}: {penalties[a]:.2f}")
     best_alpha = max(penalties, key=lambda a: penalties[a])
     beams = {cfg.decode.beam: penalties[best_alpha]}
     for b in args.beam:
         if b not in beams:
-            beams[b] = val_bleu(run, src_ids, refs, best_alpha, b)
+            beams[b] = score(model, best_alpha, b)
         print(f"  beam {b} (length penalty {best_alpha:g}): {beams[b]:.2f}")
     best_beam = max(beams, key=lambda b: beams[b])
     print(f"chosen: {name}, length penalty {best_alpha:g}, beam {best_beam}: val BLEU {beams[best_beam]:.2f}")
-    if args.apply and chosen is not single_ckpt:
+    result = {"chosen": name, "length_penalty": best_alpha, "beam": best_beam, "val_bleu": round(beams[best_beam], 2)}
+    if chosen is None:  # an ensemble is decoded from its checkpoints: best.pt stays as it is
+        n = int(name.rsplit(" ", 1)[1])
+        result["checkpoints"] = [str(p) for p in steps[-n:]]
+        flags = " ".join(f"--checkpoint {p}" for p in steps[-n:])
+        print(f"decode it with: mtx eval --run {args.run} {flags} --length-penalty {best_alpha:g} --beam {best_beam}")
+    elif args.apply and chosen is not single_ckpt:
         print(f"{make_best(args.run, chosen)} is now the {name}")
     elif args.apply and single.name == "best_single.pt":  # an earlier average was best.pt
         atomic_save(single_ckpt, ckpts / "best.pt")
         print(f"{single} is now {ckpts / 'best.pt'} again")
-    result = {"chosen": name, "length_penalty": best_alpha, "beam": best_beam, "val_bleu": round(beams[best_beam], 2)}
     print(json.dumps(result))
 
 

@@ -47,7 +47,7 @@ def test_average_and_translate_with_a_restricted_output(tiny_restricted_run: Pat
     best = load_checkpoint(run / "checkpoints" / "best.pt")["model"]
     assert torch.equal(best["output_ids"], load_checkpoint(step_checkpoints(run)[-1])["model"]["output_ids"])
     assert main(["translate", "--run", str(run), "--beam", "3", "Ein Hund läuft."]) == 0
-    ema = load_run(run, run / "checkpoints" / "ema.pt")  # the moving average keeps output_ids too
+    ema = load_run(run, [run / "checkpoints" / "ema.pt"])  # the moving average keeps output_ids too
     assert torch.equal(ema.model.output_ids, best["output_ids"])
     (run / "config.yaml").write_text(
         (run / "config.yaml").read_text().replace("restrict_output: true", "restrict_output: false")
@@ -74,12 +74,13 @@ def test_plot_writes_a_png(run_copy: Path) -> None:
 def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run_copy: Path) -> None:
     script = Path(__file__).resolve().parent.parent / "scripts" / "choose_on_val.py"
     args = [sys.executable, str(script), "--run", str(run_copy), "--last", "2", "--length-penalty", "0.6,1.0"]
-    args += ["--beam", "1"]
+    args += ["--beam", "1", "--ensemble", "2"]
     done = subprocess.run([*args, "--apply"], capture_output=True, text=True, check=True)
     lines = done.stdout.splitlines()
     assert any(line.startswith("best single") for line in lines)
     assert any(line.startswith("average of the last 2:") for line in lines)
     assert any(line.startswith("moving average (ema.pt, decay 0.99):") for line in lines)
+    assert any(line.startswith("ensemble of the last 2:") for line in lines)
     choice = json.loads(lines[-1])
     assert choice["length_penalty"] in (0.6, 1.0)
     penalties = [float(line.rsplit(": ", 1)[1]) for line in lines if line.startswith("  length penalty")]
@@ -90,7 +91,11 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run
     best = load_checkpoint(run_copy / "checkpoints" / "best.pt")
     assert ("averaged_from" in best) == (choice["chosen"] == "average of the last 2")
     assert ("ema_decay" in best) == (choice["chosen"] == "moving average")
-    assert (run_copy / "checkpoints" / "best_single.pt").is_file() == (choice["chosen"] != "best single")
+    kept_single = choice["chosen"] in ("best single", "ensemble of the last 2")  # an ensemble is not a best.pt
+    assert (run_copy / "checkpoints" / "best_single.pt").is_file() == (not kept_single)
+    assert ("checkpoints" in choice) == (choice["chosen"] == "ensemble of the last 2")
+    bad_ensemble = subprocess.run([*args[:4], "--ensemble", "1"], capture_output=True, text=True)
+    assert bad_ensemble.returncode == 2 and "an ensemble has at least 2 checkpoints" in bad_ensemble.stderr
     bad_beam = subprocess.run([*args[:4], "--beam", "2.5"], capture_output=True, text=True)
     assert bad_beam.returncode == 2 and "expected comma-separated whole numbers >= 1, got '2.5'" in bad_beam.stderr
     missing = subprocess.run([*args[:2], "--run", str(run_copy / "nowhere")], capture_output=True, text=True)

@@ -101,3 +101,16 @@ def test_translate_errors_on_a_finished_run(tiny_run: Path) -> None:
     assert_one_line_error(mtx("translate", "--run", str(tiny_run), stdin=b"ok\n\xff\n"), "line 2 is not valid UTF-8")
     assert_one_line_error(mtx("translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "3", "x"), "--nbest")
     assert_one_line_error(mtx("eval", "--run", str(tiny_run), "--split", "nosuch"), "nosuch")
+
+
+def test_eval_decodes_an_ensemble_of_checkpoints(tiny_run: Path, tiny_restricted_run: Path, tmp_path: Path) -> None:
+    """Two --checkpoint flags decode as one ensemble; a member trained otherwise is a one-line error."""
+    ckpts = tiny_run / "checkpoints"
+    out = tmp_path / "hyps.en"
+    both = ["--checkpoint", str(ckpts / "last.pt"), "--checkpoint", str(ckpts / "ema.pt")]
+    r = mtx("eval", "--run", str(tiny_run), *both, "--output", str(out))
+    assert r.returncode == 0, r.stderr.decode()
+    assert f"{ckpts / 'last.pt'}, {ckpts / 'ema.pt'}" in r.stdout.decode().splitlines()[0]
+    assert len(out.read_text().splitlines()) == 100  # the small slice's test_2016_flickr
+    other = ["--checkpoint", str(tiny_restricted_run / "checkpoints" / "last.pt")]
+    assert_one_line_error(mtx("eval", "--run", str(tiny_run), *both[:2], *other), "restrict_output")

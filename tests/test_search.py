@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -8,16 +9,22 @@ import torch
 from mtx import search
 from mtx.checkpoint import LoadedRun, load_run
 from mtx.data import pad_ids, read_lines
+from mtx.model import Ensemble, make_src_mask
 from mtx.search import beam_search, greedy_search, length_penalty, top_candidates, translate_ids
-from mtx.tokenizer import EOS
+from mtx.tokenizer import BOS, EOS
 
 
-@pytest.fixture(scope="module", params=["whole vocabulary", "restricted output"])
+@pytest.fixture(scope="module", params=["whole vocabulary", "restricted output", "ensemble"])
 def run(request: pytest.FixtureRequest) -> LoadedRun:
-    """Every search test runs on a model with the whole target vocabulary as output and on one
-    whose softmax covers only train's target pieces (logit columns != token ids)."""
-    fixture = "tiny_run" if request.param == "whole vocabulary" else "tiny_restricted_run"
-    return load_run(request.getfixturevalue(fixture))
+    """Every search test runs on a model with the whole target vocabulary as output, on one
+    whose softmax covers only train's target pieces (logit columns != token ids), and on an
+    ensemble of two checkpoints of the latter (its last weights and their moving average)."""
+    if request.param == "whole vocabulary":
+        return load_run(request.getfixturevalue("tiny_run"))
+    run_dir = request.getfixturevalue("tiny_restricted_run")
+    if request.param == "restricted output":
+        return load_run(run_dir)
+    return load_run(run_dir, [run_dir / "checkpoints" / "last.pt", run_dir / "checkpoints" / "ema.pt"])
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +134,38 @@ def test_restricted_output_emits_only_its_tokens(tiny_restricted_run: Path, smal
         hyps = translate_ids(run.model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=100_000, nbest=beam)
         tokens = {t for hs in hyps for h in hs for t in h.tokens}
         assert tokens and tokens <= allowed
+
+
+@pytest.mark.parametrize("fixture", ["tiny_run", "tiny_restricted_run"])
+def test_an_ensemble_of_one_model_twice_decodes_as_the_model(fixture: str, request: pytest.FixtureRequest) -> None:
+    run = load_run(request.getfixturevalue(fixture))
+    twice = Ensemble([run.model, copy.deepcopy(run.model)])
+    src_ids = run.src_tok.encode_batch(read_lines(request.getfixturevalue("small_data") / "val.de")[:20])
+    for beam in (1, 4):
+        alone = translate_ids(run.model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=100_000, nbest=beam)
+        ensembled = translate_ids(twice, src_ids, beam, 1.0, 1.2, 10, batch_tokens=100_000, nbest=beam)
+        assert [[h.tokens for h in hs] for hs in ensembled] == [[h.tokens for h in hs] for hs in alone]
+        scores = [h.score for hs in ensembled for h in hs]
+        assert scores == pytest.approx([h.score for hs in alone for h in hs], abs=1e-4)
+
+
+def test_an_ensemble_differs_from_its_members_and_checks_their_outputs(
+    tiny_run: Path, tiny_restricted_run: Path
+) -> None:
+    last, ema = (load_run(tiny_run, [tiny_run / "checkpoints" / name]).model for name in ("last.pt", "ema.pt"))
+    src = _batch([[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    tgt = torch.tensor([[BOS, 30, 31], [BOS, 40, 41]])  # any prefixes
+    mask = make_src_mask(src)
+    ensemble = Ensemble([last, ema])
+    memory = ensemble.encode(src, mask)
+    assert memory.shape[-1] == 2 * last.cfg.d_model
+    got = ensemble.decode(tgt, memory, mask)
+    # the mean of the members' probabilities, not of their log-probabilities
+    probs = [torch.softmax(m.decode(tgt, m.encode(src, mask), mask), dim=-1) for m in (last, ema)]
+    assert not torch.allclose(probs[0], probs[1], atol=1e-3)
+    assert torch.allclose(got, ((probs[0] + probs[1]) / 2).log(), atol=1e-5)
+    assert torch.allclose(got.exp().sum(-1), torch.ones(2, 3), atol=1e-5)
+    with pytest.raises(ValueError, match="output columns"):
+        Ensemble([last, load_run(tiny_restricted_run).model])
+    with pytest.raises(ValueError, match="at least 2"):
+        Ensemble([last])
