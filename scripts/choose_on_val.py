@@ -8,7 +8,8 @@ checkpoints for each N in `--ensemble` (decoded together, `mtx eval --checkpoint
 `--length-penalty`, then, with the best penalty, each beam size in `--beam` (default: the
 config's only). BLEU is computed as `mtx eval` computes it. With `--apply` the chosen average
 becomes the run's best.pt (the single best is kept as best_single.pt); a chosen ensemble leaves
-best.pt alone and the script prints the `mtx eval` command that decodes it. The last line is JSON for scripts.
+best.pt alone and the script prints the `mtx eval` command that decodes it. The last line is
+JSON for scripts.
 
     python scripts/choose_on_val.py --run runs/NAME [--last 3,4,5,7,10] [--ensemble 2,4]
         [--length-penalty 0.6,1.0,1.4] [--beam 5,8,12] [--threads 2] [--apply]
