@@ -116,27 +116,25 @@ def choose(args: argparse.Namespace) -> None:
 
     steps = step_checkpoints(args.run)
     single_ckpt = load_checkpoint(single)
-    # candidate name -> (model, checkpoint payload for --apply (None: an ensemble), val BLEU)
-    candidates: dict[str, tuple[Seq2Seq | Ensemble, dict | None, float]] = {
-        "best single": (run.model, single_ckpt, score(run.model))
-    }
-    print(f"best single ({single.name}, step {single_ckpt.get('step')}): {candidates['best single'][2]:.2f}")
+    # candidate name -> (model, what it is saved as: the checkpoint payload --apply writes, or an
+    # ensemble's member files, val BLEU)
+    candidates: dict[str, tuple[Seq2Seq | Ensemble, dict | list[Path], float]] = {}
+
+    def add(name: str, model: Seq2Seq | Ensemble, saved: dict | list[Path], detail: str = "") -> None:
+        candidates[name] = (model, saved, score(model))
+        print(f"{name}{detail}: {candidates[name][2]:.2f}")
+
+    add("best single", run.model, single_ckpt, f" ({single.name}, step {single_ckpt.get('step')})")
     for n in sorted({int(x) for x in args.last}):
         if 1 <= n <= len(steps):
             payload = average_checkpoints(steps[-n:])
-            model = with_weights(payload)
-            candidates[f"average of the last {n}"] = (model, payload, score(model))
-            print(f"average of the last {n}: {candidates[f'average of the last {n}'][2]:.2f}")
+            add(f"average of the last {n}", with_weights(payload), payload)
     if (ckpts / "ema.pt").is_file():  # the moving average of the weights (train.ema)
         payload = load_checkpoint(ckpts / "ema.pt")
-        model = with_weights(payload)
-        candidates["moving average"] = (model, payload, score(model))
-        print(f"moving average (ema.pt, decay {payload.get('ema_decay')}): {candidates['moving average'][2]:.2f}")
+        add("moving average", with_weights(payload), payload, f" (ema.pt, decay {payload.get('ema_decay')})")
     for n in sorted(set(args.ensemble)):
         if 2 <= n <= len(steps):
-            model = load_run(args.run, steps[-n:]).model
-            candidates[f"ensemble of the last {n}"] = (model, None, score(model))
-            print(f"ensemble of the last {n}: {candidates[f'ensemble of the last {n}'][2]:.2f}")
+            add(f"ensemble of the last {n}", load_run(args.run, steps[-n:]).model, steps[-n:])
     name = max(candidates, key=lambda k: candidates[k][2])
     model, chosen, bleu = candidates[name]
     penalties = {alpha: bleu}
@@ -153,10 +151,9 @@ def choose(args: argparse.Namespace) -> None:
     best_beam = max(beams, key=lambda b: beams[b])
     print(f"chosen: {name}, length penalty {best_alpha:g}, beam {best_beam}: val BLEU {beams[best_beam]:.2f}")
     result = {"chosen": name, "length_penalty": best_alpha, "beam": best_beam, "val_bleu": round(beams[best_beam], 2)}
-    if chosen is None:  # an ensemble is decoded from its checkpoints: best.pt stays as it is
-        n = int(name.rsplit(" ", 1)[1])
-        result["checkpoints"] = [str(p) for p in steps[-n:]]
-        flags = " ".join(f"--checkpoint {p}" for p in steps[-n:])
+    if isinstance(chosen, list):  # an ensemble is decoded from its checkpoints: best.pt stays as it is
+        result["checkpoints"] = [str(p) for p in chosen]
+        flags = " ".join(f"--checkpoint {p}" for p in chosen)
         print(f"decode it with: mtx eval --run {args.run} {flags} --length-penalty {best_alpha:g} --beam {best_beam}")
     elif args.apply and chosen is not single_ckpt:
         print(f"{make_best(args.run, chosen)} is now the {name}")
