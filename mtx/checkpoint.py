@@ -210,6 +210,19 @@ def saved_output_ids(ckpt: dict[str, Any], path: Path, cfg: Config) -> torch.Ten
     return ids
 
 
+def check_direction(ckpt: dict[str, Any], path: Path, cfg: Config) -> None:
+    """One-line error when a checkpoint was trained for another language pair or direction than
+    the run's (a joint vocabulary would load it without complaint and decode the wrong way)."""
+    data = ckpt.get("config", {}).get("data", {})
+    saved = data.get("src_lang"), data.get("tgt_lang")
+    run = cfg.data.src_lang, cfg.data.tgt_lang
+    if None not in saved and saved != run:
+        raise CheckpointError(
+            f"{path}: the checkpoint translates {saved[0]}->{saved[1]}, the run {run[0]}->{run[1]}; "
+            "pass a checkpoint of this run"
+        )
+
+
 def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.device | None = None) -> LoadedRun:
     """Model and tokenizers of a run, from `checkpoints` or best.pt (else last.pt); two or more
     checkpoints (of this run's vocabulary) decode as one `Ensemble`."""
@@ -228,6 +241,7 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
     members = []
     for path in checkpoints:
         ckpt = load_checkpoint(path)
+        check_direction(ckpt, path, cfg)
         member = build_model(cfg, src_tok, tgt_tok, saved_output_ids(ckpt, path, cfg))
         check_compatible(ckpt, path, vocab_fingerprint(src_tok, tgt_tok), member)
         member.load_state_dict(ckpt["model"])

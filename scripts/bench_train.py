@@ -10,6 +10,11 @@ noise hits all of them alike. The last line is JSON for scripts.
 `--ablate` also times mtx with one of its speed changes undone at a time (torch's dropout,
 unfused loss, loss over all padded positions, for-loop Adam, zeroed instead of freed gradients),
 which measures what each change buys on this machine.
+
+It then runs mtx fp32 over the timed batches once more under the torch profiler and sums the time
+of its matrix products (mm, addmm, bmm, ...): the step's time if every other operation were free.
+The reference's step time over that is the most mtx could gain on the reference at these FLOPs
+(`gemm_bound_vs_reference`), whatever is done to the elementwise ops, softmax, norms and loss.
 """
 
 from __future__ import annotations
@@ -98,6 +103,19 @@ def matmul_peak(dtype: torch.dtype, tokens: int, d: int, f: int) -> float:
             a @ w
         best = max(best, 5 * 2 * m * k * n / (time.perf_counter() - start) / 1e9)
     return best
+
+
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::addbmm"}
+
+
+def gemm_seconds(step: Callable[[Batch], None], batches: list[Batch]) -> float:
+    """Time spent in matrix products while `step` runs over `batches` (torch profiler, self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for batch in batches:
+            step(batch)
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS) / 1e6
 
 
 COMPILED_LOSS = training_loss(compiled=True)  # what `train.compile: true` trains with
@@ -242,6 +260,7 @@ def main() -> None:
             seconds[name] += time.perf_counter() - start
 
     timed = batches[args.warmup :]
+    gemm_s = gemm_seconds(steps["mtx fp32"], timed)
     tgt_tokens = sum(b.n_tgt_tokens for b in timed)
     all_tokens = tgt_tokens + sum(b.n_src_tokens for b in timed)
     flops = {
@@ -278,6 +297,13 @@ def main() -> None:
     print(f"peak RSS of this process (all models together): {peak_rss:.2f} GiB; padding {pad:.1%}")
     for name, what in ablations.items():
         print(f"{name}: {ABLATIONS[what]}; mtx fp32 is {rates['mtx fp32'] / rates[name]:.2f}x as fast")
+    gemm_bound = seconds[ref_name] / gemm_s
+    print(
+        f"mtx fp32 matrix products alone (profiled): {gemm_s / len(timed) * 1e3:.0f} ms a step, "
+        f"{gemm_s / seconds['mtx fp32']:.0%} of its step ({seconds['mtx fp32'] / len(timed) * 1e3:.0f} ms); "
+        f"the reference's step {seconds[ref_name] / len(timed) * 1e3:.0f} ms: with every other op free, "
+        f"mtx fp32 would be at most {gemm_bound:.2f}x the reference"
+    )
     if restricted in rates:
         print(
             f"{restricted}: softmax over {len(output_ids)} of {vocab} target pieces (model.restrict_output); "
@@ -293,6 +319,8 @@ def main() -> None:
                 "reference_tgt_tok_per_s": round(rates[ref_name], 1),
                 "mtx_fp32_tgt_tok_per_s": round(rates["mtx fp32"], 1),
                 "padding_fraction": round(pad, 4),
+                "mtx_gemm_fraction": round(gemm_s / seconds["mtx fp32"], 3),
+                "gemm_bound_vs_reference": round(gemm_bound, 3),
                 "peak_rss_gib": round(peak_rss, 3),
                 "compile_seconds": None if compile_seconds is None else round(compile_seconds, 1),
                 "restricted_output_tgt_tok_per_s": round(rates[restricted], 1) if restricted in rates else None,

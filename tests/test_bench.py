@@ -1,5 +1,6 @@
-"""The decoding benchmark's own claims: the same outputs with and without the cache, and the
-whole-vocabulary rows it adds for a run with a restricted softmax."""
+"""The benchmarks' own claims: for decoding, the same outputs with and without the cache, and the
+whole-vocabulary rows it adds for a run with a restricted softmax; for training, a matrix-product
+bound no lower than the speed-up it measured."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .conftest import TINY_CONFIG
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode.py"
+TRAIN_SCRIPT = SCRIPT.with_name("bench_train.py")
 
 
 def _bench(run: Path) -> tuple[list[str], dict]:
@@ -34,3 +38,15 @@ def test_bench_decode_adds_no_whole_vocabulary_rows_to_a_whole_vocabulary_run(ti
     assert result["cached_equals_uncached"] == {"greedy": True, "beam5": True}
     assert result["restricted_output_speedup"] is None and result["restricted_output_identical"] is None
     assert not any("whole vocab" in line for line in lines)
+
+
+def test_bench_train_bounds_the_speedup_by_the_matrix_products(small_data: Path) -> None:
+    """The time of mtx's matrix products alone is part of its step, so the bound it gives on the
+    speed-up over the reference is no lower than the speed-up measured (tiny config, 2 steps)."""
+    args = [sys.executable, str(TRAIN_SCRIPT), "--config", str(TINY_CONFIG), "--set", f"data.dir={small_data}"]
+    out = subprocess.run([*args, "--steps", "2", "--warmup", "1"], capture_output=True, text=True, check=True).stdout
+    result = json.loads(out.splitlines()[-1])
+    assert 0.0 < result["mtx_gemm_fraction"] < 1.0
+    measured = result["mtx_fp32_tgt_tok_per_s"] / result["reference_tgt_tok_per_s"]
+    assert result["gemm_bound_vs_reference"] > measured > 0.0
+    assert "with every other op free" in out

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from .conftest import REPO, tiny_args
 
@@ -114,3 +115,11 @@ def test_eval_decodes_an_ensemble_of_checkpoints(tiny_run: Path, tiny_restricted
     assert len(out.read_text().splitlines()) == 100  # the small slice's test_2016_flickr
     other = ["--checkpoint", str(tiny_restricted_run / "checkpoints" / "last.pt")]
     assert_one_line_error(mtx("eval", "--run", str(tiny_run), *both[:2], *other), "restrict_output")
+    # the same vocabulary trained the other way round (a joint vocabulary loads either direction)
+    reverse = torch.load(ckpts / "last.pt", weights_only=True)
+    data = reverse["config"]["data"]
+    data["src_lang"], data["tgt_lang"] = data["tgt_lang"], data["src_lang"]
+    torch.save(reverse, tmp_path / "reverse.pt")
+    for extra in ([], both[:2]):
+        r = mtx("eval", "--run", str(tiny_run), *extra, "--checkpoint", str(tmp_path / "reverse.pt"))
+        assert_one_line_error(r, "the checkpoint translates en->de, the run de->en")
