@@ -76,6 +76,7 @@ class TrainConfig:
     adam_eps: float = 1e-9
     weight_decay: float = 0.0
     label_smoothing: float = 0.1
+    rdrop: float = 0.0  # R-Drop: weight of the symmetric KL between two dropout passes of each batch; 0: off
     clip_norm: float = 1.0  # 0: no clipping
     amp: str = "auto"  # auto | bf16 | fp16 | fp32
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
@@ -140,6 +141,7 @@ _NON_NEGATIVE = {
     "train.max_minutes",
     "train.warmup_steps",
     "train.weight_decay",
+    "train.rdrop",
     "train.clip_norm",
     "train.threads",
     "train.eval_sentences",

@@ -10,6 +10,7 @@ writes the run directory.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -213,11 +214,32 @@ def label_smoothed_loss(model: Seq2Seq, batch: Batch, smoothing: float) -> torch
     return SmoothedCrossEntropy.apply(model.project(states), target, smoothing)  # (N, V) logits
 
 
-def training_loss(compiled: bool) -> Callable[[Seq2Seq, Batch, float], torch.Tensor]:
-    """The loss function training calls: `label_smoothed_loss`, or with `train.compile` that
-    function compiled with the model inside (compiling the model alone would compile only
-    `forward`, which training does not call). scripts/bench_train.py times this same object."""
-    return torch.compile(label_smoothed_loss) if compiled else label_smoothed_loss
+def rdrop_loss(model: Seq2Seq, batch: Batch, smoothing: float, alpha: float) -> torch.Tensor:
+    """R-Drop (Liang et al., 2021): the batch passes through the model twice in one forward, with
+    independent dropout masks; the loss is the mean of the two passes' summed label-smoothed
+    cross-entropies plus `alpha` / 4 times the summed symmetric KL divergence between their
+    output distributions (the paper's CE1 + CE2 + alpha / 2 (KL(P1||P2) + KL(P2||P1)), halved so
+    that the cross-entropy keeps the scale of `label_smoothed_loss`). Each step costs about twice
+    as much; the (2N, V) log-probabilities are materialised (no fused CPU path)."""
+    src, tgt_in = torch.cat([batch.src, batch.src]), torch.cat([batch.tgt_in, batch.tgt_in])
+    src_mask = make_src_mask(src)
+    states = model.decoder_states(tgt_in, model.encode(src, src_mask), src_mask)  # (2B, T, D)
+    keep = batch.tgt_out != PAD
+    states = states.unflatten(0, (2, -1))[:, keep]  # (2, N, D)
+    target = model.output_columns(batch.tgt_out[keep])[:, None]  # (N, 1)
+    logp = model.project(states).float().log_softmax(dim=-1)  # (2, N, V)
+    nll = -(1.0 - smoothing) * logp.gather(2, target.expand(2, -1, -1)).sum() - smoothing * logp.mean(dim=-1).sum()
+    kl = ((logp[0].exp() - logp[1].exp()) * (logp[0] - logp[1])).sum()  # KL(P1||P2) + KL(P2||P1)
+    return nll / 2 + alpha / 4 * kl
+
+
+def training_loss(compiled: bool, rdrop: float = 0.0) -> Callable[[Seq2Seq, Batch, float], torch.Tensor]:
+    """The loss function training calls: `label_smoothed_loss` (`rdrop_loss` with weight
+    `rdrop` > 0), or with `train.compile` that function compiled with the model inside
+    (compiling the model alone would compile only `forward`, which training does not call).
+    scripts/bench_train.py times this same object."""
+    loss = label_smoothed_loss if rdrop == 0 else functools.partial(rdrop_loss, alpha=rdrop)
+    return torch.compile(loss) if compiled else loss
 
 
 def _smoothed_block_loss(lse: torch.Tensor, picked: torch.Tensor, mean: torch.Tensor, eps: float) -> torch.Tensor:
@@ -521,7 +543,7 @@ class Trainer:
         self.vocab = ckpt_io.vocab_fingerprint(self.src_tok, self.tgt_tok)
         self.optimizer = make_optimizer(self.model, tc, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == torch.float16)
-        loss_fn = training_loss(tc.compile)
+        loss_fn = training_loss(tc.compile, tc.rdrop)
         self.loss_module: torch.nn.Module = TokenLoss(self.model, loss_fn, tc.label_smoothing)
         if ranks.world_size > 1:  # DDP copies rank 0's initial weights to every rank
             self.loss_module = DistributedDataParallel(

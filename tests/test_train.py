@@ -17,6 +17,7 @@ from mtx.train import (
     SmoothedCrossEntropy,
     label_smoothed_loss,
     learning_rate,
+    rdrop_loss,
 )
 
 from .conftest import tiny_args
@@ -106,6 +107,39 @@ def test_restricted_output_loss_is_cross_entropy_over_the_chosen_rows() -> None:
     assert torch.allclose(grad, want_grad, atol=1e-5)
 
 
+def _rdrop_model_and_batch(dropout_p: float) -> tuple[Seq2Seq, Batch]:
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, n_encoder_layers=1, n_decoder_layers=1, dropout=dropout_p)
+    model = Seq2Seq(cfg, 300, 300, joint_vocab=True, output_ids=torch.arange(4, 300, 2))
+    src = torch.randint(4, 300, (3, 7))
+    tgt = model.output_ids[torch.randint(2, len(model.output_ids), (3, 6))]
+    tgt[0, 4:] = 0  # padding: the loss must skip it
+    tgt_in = torch.cat([torch.full((3, 1), 1), tgt[:, :-1]], 1)
+    return model, Batch(src, tgt_in, tgt, 21, int((tgt != 0).sum()))
+
+
+def test_rdrop_without_dropout_is_the_plain_loss_whatever_its_weight() -> None:
+    model, batch = _rdrop_model_and_batch(0.0)
+    want = label_smoothed_loss(model, batch, 0.1)
+    (want_grad,) = torch.autograd.grad(want, model.tgt_embed.tokens.weight)
+    for alpha in (0.0, 5.0):  # two identical passes: the KL term is zero
+        loss = rdrop_loss(model, batch, 0.1, alpha)
+        (grad,) = torch.autograd.grad(loss, model.tgt_embed.tokens.weight)
+        assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+        assert torch.allclose(grad, want_grad, atol=1e-5)
+
+
+def test_rdrop_adds_a_positive_kl_term_linear_in_its_weight() -> None:
+    model, batch = _rdrop_model_and_batch(0.3)
+    losses = {}
+    for alpha in (0.0, 1.0, 2.0):
+        torch.manual_seed(1)  # the same two dropout masks for each weight
+        losses[alpha] = rdrop_loss(model, batch, 0.1, alpha).item()
+    kl = losses[1.0] - losses[0.0]
+    assert kl > 1e-3  # two different dropout masks give two different distributions
+    assert losses[2.0] - losses[0.0] == pytest.approx(2 * kl, rel=1e-4)
+
+
 def test_moving_average_follows_its_formula_and_averages_a_tied_weight_once() -> None:
     torch.manual_seed(0)
     model = Seq2Seq(ModelConfig(d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1), 50, 50, True)
@@ -158,6 +192,13 @@ def test_bf16_converges_like_fp32(tmp_path: Path, small_data: Path) -> None:
         losses[amp] = _final_loss(run)
     assert losses["fp32"] < 5.5  # it did learn (starts near ln(1000) = 6.9)
     assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.1)
+
+
+def test_rdrop_training_learns(tmp_path: Path, small_data: Path) -> None:
+    run = tmp_path / "rdrop"
+    extra = ("--set", "train.max_steps=80", "--set", "train.eval_every=80", "--set", "train.log_every=20")
+    assert main([*tiny_args(small_data, run, *extra), "--set", "train.rdrop=1.0"]) == 0
+    assert _final_loss(run) < 5.5  # it learned (starts near ln(1000) = 6.9), the KL term included
 
 
 def test_time_budget_stops_early_then_validates_and_saves(tmp_path: Path, small_data: Path) -> None:
