@@ -220,14 +220,24 @@ def rdrop_loss(model: Seq2Seq, batch: Batch, smoothing: float, alpha: float) -> 
     cross-entropies plus `alpha` / 4 times the summed symmetric KL divergence between their
     output distributions (the paper's CE1 + CE2 + alpha / 2 (KL(P1||P2) + KL(P2||P1)), halved so
     that the cross-entropy keeps the scale of `label_smoothed_loss`). Each step costs about twice
-    as much; the (2N, V) log-probabilities are materialised (no fused CPU path)."""
+    as much. On CPU the projection and loss are fused (`ProjectedRDropLoss`, in float32); elsewhere
+    the (2, N, V) log-probabilities are materialised."""
     src, tgt_in = torch.cat([batch.src, batch.src]), torch.cat([batch.tgt_in, batch.tgt_in])
     src_mask = make_src_mask(src)
     states = model.decoder_states(tgt_in, model.encode(src, src_mask), src_mask)  # (2B, T, D)
     keep = batch.tgt_out != PAD
     states = states.unflatten(0, (2, -1))[:, keep]  # (2, N, D)
     target = model.output_columns(batch.tgt_out[keep])[:, None]  # (N, 1)
-    logp = model.project(states).float().log_softmax(dim=-1)  # (2, N, V)
+    weight = model.output_weight
+    if states.device.type == "cpu" and not torch.compiler.is_compiling():
+        need_grad = torch.is_grad_enabled() and (states.requires_grad or weight.requires_grad)
+        return ProjectedRDropLoss.apply(states.float(), weight.float(), target, smoothing, alpha, need_grad)
+    return _rdrop_of_logits(model.project(states), target, smoothing, alpha)
+
+
+def _rdrop_of_logits(logits: torch.Tensor, target: torch.Tensor, smoothing: float, alpha: float) -> torch.Tensor:
+    """The R-Drop loss of (2, N, V) logits of two passes and (N, 1) target columns."""
+    logp = logits.float().log_softmax(dim=-1)
     nll = -(1.0 - smoothing) * logp.gather(2, target.expand(2, -1, -1)).sum() - smoothing * logp.mean(dim=-1).sum()
     kl = ((logp[0].exp() - logp[1].exp()) * (logp[0] - logp[1])).sum()  # KL(P1||P2) + KL(P2||P1)
     return nll / 2 + alpha / 4 * kl
@@ -347,6 +357,70 @@ class ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         if d_states is None:
             raise RuntimeError("ProjectedSmoothedCrossEntropy was called with need_grad=False")
         return d_states * grad.to(d_states.dtype), (d_weight * grad).to(d_states.dtype), None, None, None
+
+
+class ProjectedRDropLoss(torch.autograd.Function):
+    """`rdrop_loss` of (2, N, D) float32 states of two passes and a (V, D) output weight, fused
+    block by block of rows on CPU like `ProjectedSmoothedCrossEntropy` (the unfused loss over
+    materialised (2, N, V) log-probabilities made a d_model 128 step 3.7x as slow as without R-Drop).
+
+    With log-probabilities l1, l2, probabilities p1, p2, d = l1 - l2 and the symmetric KL
+    sum(p1 - p2) * d, the gradient of the KL term with respect to the first pass's logits is
+    p1 * (d - E_p1[d]) + (p1 - p2), and with respect to the second's -p2 * (d - E_p2[d]) - (p1 - p2)."""
+
+    ROWS = 256
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        states: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        smoothing: float,
+        alpha: float,
+        need_grad: bool,
+    ) -> torch.Tensor:
+        n, vocab = states.shape[1], weight.shape[0]
+        rows, a4 = ProjectedRDropLoss.ROWS, alpha / 4
+        total = torch.zeros((), dtype=torch.float32, device=states.device)
+        d_states = torch.empty_like(states) if need_grad else None
+        d_weight = torch.zeros_like(weight) if need_grad else None
+        l1, l2, p1, p2, g = (torch.empty(min(rows, n), vocab, device=states.device) for _ in range(5))
+        with torch.autocast(states.device.type, enabled=False):
+            for i in range(0, n, rows):
+                h1, h2, t = states[0, i : i + rows], states[1, i : i + rows], target[i : i + rows]
+                r = h1.shape[0]
+                a, b, q1, q2, gr = l1[:r], l2[:r], p1[:r], p2[:r], g[:r]
+                for h, z, q in ((h1, a, q1), (h2, b, q2)):  # z <- log-softmax of the logits, q <- softmax
+                    torch.mm(h, weight.t(), out=z)
+                    z.sub_(z.amax(dim=-1, keepdim=True))
+                    norm = torch.exp(z, out=q).sum(dim=-1, keepdim=True)
+                    z.sub_(norm.log())
+                    q.div_(norm)
+                    nll = (1.0 - smoothing) * z.gather(1, t).sum() + smoothing * z.mean(dim=-1).sum()
+                    total -= nll / 2
+                a.sub_(b)  # d = l1 - l2
+                torch.sub(q1, q2, out=b)  # delta = p1 - p2
+                total += a4 * torch.dot(a.view(-1), b.view(-1))
+                if d_states is None or d_weight is None:
+                    continue
+                for q, sign, h, k in ((q1, 1.0, h1, 0), (q2, -1.0, h2, 1)):
+                    expect = torch.bmm(q[:, None, :], a[:, :, None]).view(r, 1)  # E_q[d]
+                    torch.sub(a, expect, out=gr).mul_(sign * a4).add_(0.5).mul_(q).add_(b, alpha=sign * a4)
+                    gr.sub_(0.5 * smoothing / vocab).scatter_add_(
+                        1, t, torch.full(t.shape, 0.5 * (smoothing - 1.0), dtype=gr.dtype)
+                    )
+                    torch.mm(gr, weight, out=d_states[k, i : i + rows])
+                    d_weight.addmm_(gr.t(), h)
+        ctx.save_for_backward(d_states, d_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None, None]:
+        d_states, d_weight = ctx.saved_tensors
+        if d_states is None:
+            raise RuntimeError("ProjectedRDropLoss was called with need_grad=False")
+        return d_states * grad, d_weight * grad, None, None, None, None
 
 
 class TokenLoss(torch.nn.Module):

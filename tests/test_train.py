@@ -13,8 +13,10 @@ from mtx.data import Batch
 from mtx.model import Seq2Seq, dropout
 from mtx.train import (
     MovingAverage,
+    ProjectedRDropLoss,
     ProjectedSmoothedCrossEntropy,
     SmoothedCrossEntropy,
+    _rdrop_of_logits,
     label_smoothed_loss,
     learning_rate,
     rdrop_loss,
@@ -116,6 +118,21 @@ def _rdrop_model_and_batch(dropout_p: float) -> tuple[Seq2Seq, Batch]:
     tgt[0, 4:] = 0  # padding: the loss must skip it
     tgt_in = torch.cat([torch.full((3, 1), 1), tgt[:, :-1]], 1)
     return model, Batch(src, tgt_in, tgt, 21, int((tgt != 0).sum()))
+
+
+def test_fused_rdrop_loss_matches_the_loss_of_the_full_logits() -> None:
+    torch.manual_seed(0)
+    n, dim, vocab = 300, 16, 50  # more rows than one block
+    states = torch.randn(2, n, dim, requires_grad=True)
+    weight = torch.randn(vocab, dim, requires_grad=True)
+    target = torch.randint(0, vocab, (n, 1))
+    fused = ProjectedRDropLoss.apply(states, weight, target, 0.1, 5.0, True)
+    fused_grads = torch.autograd.grad(fused * 0.5, (states, weight))
+    want = _rdrop_of_logits(states @ weight.t(), target, 0.1, 5.0)
+    want_grads = torch.autograd.grad(want * 0.5, (states, weight))
+    assert fused.item() == pytest.approx(want.item(), rel=1e-5)
+    for got, ref in zip(fused_grads, want_grads, strict=True):
+        assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_rdrop_without_dropout_is_the_plain_loss_whatever_its_weight() -> None:
