@@ -302,6 +302,11 @@ def validate(cfg: Config, where: str = "config") -> None:
             f"{where}: model.restrict_output needs tokenizer.bpe_dropout: 0 (BPE-dropout makes pieces the "
             "output vocabulary, read off the deterministic segmentation of train, does not hold)"
         )
+    if cfg.train.rdrop and not (m.dropout or m.attention_dropout):
+        raise ConfigError(
+            f"{where}: train.rdrop needs model.dropout or model.attention_dropout above 0 (without dropout "
+            "its two passes are the same and it only doubles the cost of a step)"
+        )
     if cfg.data.max_len + 2 > m.max_positions:
         raise ConfigError(
             f"{where}: data.max_len + 2 ({cfg.data.max_len + 2}) exceeds model.max_positions ({m.max_positions})"

@@ -50,6 +50,8 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("model:\n  dropout: 1.5\n", r"model.dropout must be in \[0, 1\)"),
         ("tokenizer:\n  bpe_dropout: 1.0\n", r"tokenizer.bpe_dropout must be in \[0, 1\)"),
         ("train:\n  ema: 1.0\n", r"train.ema must be in \[0, 1\)"),
+        ("train:\n  rdrop: -1\n", r"train.rdrop must be >= 0"),
+        ("model:\n  dropout: 0\ntrain:\n  rdrop: 5\n", "train.rdrop needs model.dropout or model.attention_dropout"),
         ("train:\n  amp: fp8\n", "train.amp must be one of"),
         ("train: [1, 2]\n", "section train must be a mapping"),
         ("- a\n- b\n", "top level must be a mapping"),
