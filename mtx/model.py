@@ -11,8 +11,9 @@ and broadcasts over heads and queries; the decoder's causal mask is never materi
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,34 @@ class Dropout(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.p, self.training)
+
+
+# Searches on CPU in float32 multiply the decoder states by a copy of the output weight prepacked
+# for oneDNN (the ops torch.compile's CPU backend uses for frozen weights), packed once per search
+# call (`Seq2Seq.packed_output`). Measured alternating per batch on test_2016_flickr, 2 AVX2 cores,
+# identical outputs: greedy 1.14x and beam 5 1.06x faster at d_model 256 with an 8k softmax, 1.10x
+# and 1.08x at d_model 128 with 4,180 outputs (whose restricted weight is no longer gathered at
+# every step). Packing every linear layer was slower at d_model 128 (greedy 0.77x): for small
+# products oneDNN's ~20 us more per call outweighs its faster kernel.
+_PACK_ROWS_HINT = 64
+_can_pack = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A (V, D) float32 CPU weight packed for `_packed_linear`, or None where that is not possible
+    (another device or dtype, or a torch build whose ops fail: then never tried again)."""
+    global _can_pack
+    if not _can_pack or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
+    except RuntimeError:
+        _can_pack = False
+        return None
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def make_src_mask(src: torch.Tensor) -> torch.Tensor:
@@ -316,6 +345,7 @@ class Seq2Seq(nn.Module):
         self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
         self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
         self.output_proj = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
+        self._packed_output: torch.Tensor | None = None  # set inside `packed_output` only
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -366,7 +396,20 @@ class Seq2Seq(nn.Module):
 
     def project(self, states: torch.Tensor) -> torch.Tensor:
         """(..., D) decoder states -> (..., V) logits (tied to the target embedding by default)."""
+        packed = self._packed_output
+        if packed is not None and states.dtype == torch.float32 and not torch.is_grad_enabled():
+            return _packed_linear(states, packed)
         return F.linear(states, self.output_weight)
+
+    @contextlib.contextmanager
+    def packed_output(self) -> Iterator[None]:
+        """Within the block, CPU float32 inference projects with a prepacked copy of the output
+        weight (the weights must not change inside it: searches wrap one call in it)."""
+        self._packed_output = _pack_weight(self.output_weight)
+        try:
+            yield
+        finally:
+            self._packed_output = None
 
     def _index_output_ids(self) -> None:
         """Token id -> logit column (UNK's column for ids outside `output_ids`)."""
@@ -469,6 +512,13 @@ class Ensemble(nn.Module):
 
     def output_tokens(self, columns: torch.Tensor) -> torch.Tensor:
         return self.members[0].output_tokens(columns)
+
+    @contextlib.contextmanager
+    def packed_output(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for m in self.members:
+                stack.enter_context(m.packed_output())
+            yield
 
     def new_cache(self) -> EnsembleCache:
         return EnsembleCache([m.new_cache() for m in self.members])

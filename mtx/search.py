@@ -7,9 +7,11 @@ what its longest output costs only for the sentences still running. Both take a 
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -97,7 +99,25 @@ def _force_eos(log_probs: torch.Tensor, rows: list[int], eos_column: int) -> Non
     log_probs[index, eos_column] = eos
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _packed_output(search: Callable[P, R]) -> Callable[P, R]:
+    """Run a search with the model's output weight prepacked (`Seq2Seq.packed_output`), packed
+    once per call: the weights cannot change during it."""
+
+    @functools.wraps(search)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        model = args[0] if args else kwargs["model"]
+        with model.packed_output():  # type: ignore[attr-defined]
+            return search(*args, **kwargs)
+
+    return run
+
+
 @torch.inference_mode()
+@_packed_output
 def greedy_search(
     model: Seq2Seq | Ensemble, src: torch.Tensor, max_len_a: float, max_len_b: int, use_cache: bool = True
 ) -> list[Hypothesis]:
@@ -137,6 +157,7 @@ def greedy_search(
 
 
 @torch.inference_mode()
+@_packed_output
 def beam_search(
     model: Seq2Seq | Ensemble,
     src: torch.Tensor,

@@ -185,3 +185,28 @@ def test_attention_dropout_on_the_explicit_path() -> None:
     plain = Seq2Seq(dataclasses.replace(cfg, attention_dropout=0.0), V, V, joint_vocab=True)
     plain.load_state_dict(model.state_dict())
     assert torch.allclose(model.eval()(src, tgt), plain.eval()(src, tgt), atol=1e-6)
+
+
+@pytest.mark.parametrize("restricted", [False, True])
+def test_packed_output_projection_matches_plain_and_ends_with_its_block(restricted: bool) -> None:
+    """Searches project with a prepacked copy of the output weight (CPU float32 inference inside
+    `packed_output`): the same logits as F.linear; outside the block, or under autograd, the
+    plain product of the current weights."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0)
+    model = Seq2Seq(cfg, 300, 300, joint_vocab=True, output_ids=torch.arange(4, 300, 2) if restricted else None)
+    states = torch.randn(6, 3, 32)
+    want = torch.nn.functional.linear(states, model.output_weight)
+    with model.packed_output():
+        assert (model._packed_output is not None) == mtx.model._can_pack
+        with torch.inference_mode():
+            got = model.project(states)
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+        logits = model.project(states.requires_grad_())  # autograd: the plain, differentiable product
+        (grad,) = torch.autograd.grad(logits.sum(), states)
+        assert grad.shape == states.shape
+    assert model._packed_output is None
+    with torch.no_grad():
+        model.output_table.mul_(1.5)
+    with torch.inference_mode():  # after the block: the current weights
+        assert torch.allclose(model.project(states), torch.nn.functional.linear(states, model.output_weight))
