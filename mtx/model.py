@@ -79,8 +79,8 @@ def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def make_src_mask(src: torch.Tensor) -> torch.Tensor:
@@ -394,12 +394,13 @@ class Seq2Seq(nn.Module):
         weight = self.output_table
         return weight if self.output_ids is None else weight.index_select(0, self.output_ids)
 
-    def project(self, states: torch.Tensor) -> torch.Tensor:
-        """(..., D) decoder states -> (..., V) logits (tied to the target embedding by default)."""
+    def project(self, states: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., D) decoder states -> (..., V) logits (tied to the target embedding by default),
+        plus an optional (V,) logit bias."""
         packed = self._packed_output
         if packed is not None and states.dtype == torch.float32 and not torch.is_grad_enabled():
-            return _packed_linear(states, packed)
-        return F.linear(states, self.output_weight)
+            return _packed_linear(states, packed, bias)
+        return F.linear(states, self.output_weight, bias)
 
     @contextlib.contextmanager
     def packed_output(self) -> Iterator[None]:

@@ -110,7 +110,7 @@ def _packed_output(search: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(search)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
         model = args[0] if args else kwargs["model"]
-        with model.packed_output():  # type: ignore[attr-defined]
+        with model.packed_output():
             return search(*args, **kwargs)
 
     return run

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -88,8 +87,8 @@ class WholeVocabulary(Seq2Seq):
         self.register_buffer("outside", outside_bias(run.model, float("-inf")), persistent=False)
         self.eval()
 
-    def project(self, states: torch.Tensor) -> torch.Tensor:
-        return F.linear(states, self.output_weight, self.outside)
+    def project(self, states: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return super().project(states, self.outside if bias is None else bias + self.outside)
 
 
 def main() -> None:

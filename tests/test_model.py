@@ -199,9 +199,11 @@ def test_packed_output_projection_matches_plain_and_ends_with_its_block(restrict
     want = torch.nn.functional.linear(states, model.output_weight)
     with model.packed_output():
         assert (model._packed_output is not None) == mtx.model._can_pack
+        bias = torch.randn(want.shape[-1])
         with torch.inference_mode():
-            got = model.project(states)
+            got, got_biased = model.project(states), model.project(states, bias)
         assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5)
+        assert torch.allclose(got_biased, want + bias, atol=1e-5)
         logits = model.project(states.requires_grad_())  # autograd: the plain, differentiable product
         (grad,) = torch.autograd.grad(logits.sum(), states)
         assert grad.shape == states.shape
