@@ -257,9 +257,12 @@ def _smoothed_block_loss(lse: torch.Tensor, picked: torch.Tensor, mean: torch.Te
     return ((1.0 - eps) * (lse - picked) + eps * (lse - mean)).sum()
 
 
-def _smoothed_block_grad_(probs: torch.Tensor, target: torch.Tensor, eps: float) -> None:
-    """(R, V) softmax -> in place, the loss gradient: softmax minus the smoothed one-hot of (R, 1) target."""
-    probs.sub_(eps / probs.shape[1]).scatter_add_(1, target, torch.full(target.shape, eps - 1.0, dtype=probs.dtype))
+def _smoothed_block_grad_(probs: torch.Tensor, target: torch.Tensor, eps: float, scale: float = 1.0) -> None:
+    """(R, V) softmax -> in place, the loss gradient: softmax minus (`scale` times) the smoothed
+    one-hot of (R, 1) target."""
+    probs.sub_(scale * eps / probs.shape[1]).scatter_add_(
+        1, target, torch.full(target.shape, scale * (eps - 1.0), dtype=probs.dtype)
+    )
 
 
 class SmoothedCrossEntropy(torch.autograd.Function):
@@ -393,12 +396,13 @@ class ProjectedRDropLoss(torch.autograd.Function):
                 a, b, q1, q2, gr = l1[:r], l2[:r], p1[:r], p2[:r], g[:r]
                 for h, z, q in ((h1, a, q1), (h2, b, q2)):  # z <- log-softmax of the logits, q <- softmax
                     torch.mm(h, weight.t(), out=z)
-                    z.sub_(z.amax(dim=-1, keepdim=True))
+                    z.sub_(z.amax(dim=-1, keepdim=True))  # shifted logits: their logsumexp is log(norm)
+                    picked, mean = z.gather(1, t), z.mean(dim=-1, keepdim=True)
                     norm = torch.exp(z, out=q).sum(dim=-1, keepdim=True)
-                    z.sub_(norm.log())
+                    lse = norm.log()
+                    total += _smoothed_block_loss(lse, picked, mean, smoothing) / 2
+                    z.sub_(lse)
                     q.div_(norm)
-                    nll = (1.0 - smoothing) * z.gather(1, t).sum() + smoothing * z.mean(dim=-1).sum()
-                    total -= nll / 2
                 a.sub_(b)  # d = l1 - l2
                 torch.sub(q1, q2, out=b)  # delta = p1 - p2
                 total += a4 * torch.dot(a.view(-1), b.view(-1))
@@ -407,9 +411,7 @@ class ProjectedRDropLoss(torch.autograd.Function):
                 for q, sign, h, k in ((q1, 1.0, h1, 0), (q2, -1.0, h2, 1)):
                     expect = torch.bmm(q[:, None, :], a[:, :, None]).view(r, 1)  # E_q[d]
                     torch.sub(a, expect, out=gr).mul_(sign * a4).add_(0.5).mul_(q).add_(b, alpha=sign * a4)
-                    gr.sub_(0.5 * smoothing / vocab).scatter_add_(
-                        1, t, torch.full(t.shape, 0.5 * (smoothing - 1.0), dtype=gr.dtype)
-                    )
+                    _smoothed_block_grad_(gr, t, smoothing, scale=0.5)  # the two cross-entropies' half
                     torch.mm(gr, weight, out=d_states[k, i : i + rows])
                     d_weight.addmm_(gr.t(), h)
         ctx.save_for_backward(d_states, d_weight)
