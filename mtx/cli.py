@@ -54,6 +54,11 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-tokens", type=int, help="decode batch size in source tokens (default: decode.batch_tokens)")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="threads decoding batches side by side, sharing --threads (default: decode.workers; 0: auto)",
+    )
     p.add_argument("--no-cache", action="store_true", help="recompute the decoder over the whole prefix each step")
 
 
@@ -155,17 +160,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _decode_settings(args: argparse.Namespace, cfg_decode: object) -> tuple[int, float, int]:
+def _decode_settings(args: argparse.Namespace, cfg_decode: object) -> tuple[int, float, int, int]:
     beam = args.beam if args.beam is not None else cfg_decode.beam  # type: ignore[attr-defined]
     alpha = args.length_penalty if args.length_penalty is not None else cfg_decode.length_penalty  # type: ignore[attr-defined]
     batch_tokens = args.batch_tokens if args.batch_tokens is not None else cfg_decode.batch_tokens  # type: ignore[attr-defined]
+    workers = args.workers if args.workers is not None else cfg_decode.workers  # type: ignore[attr-defined]
     if beam < 1:
         raise MtxError(f"--beam must be >= 1, got {beam}")
     if alpha < 0:
         raise MtxError(f"--length-penalty must be >= 0, got {alpha}")
     if batch_tokens < 1:
         raise MtxError(f"--batch-tokens must be >= 1, got {batch_tokens}")
-    return beam, alpha, batch_tokens
+    if workers < 0:
+        raise MtxError(f"--workers must be >= 0 (0: auto), got {workers}")
+    return beam, alpha, batch_tokens, workers
 
 
 def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, imported lazily
@@ -209,7 +217,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
             raise MtxError(f"TEXT argument {i} is not valid UTF-8; re-encode it as UTF-8") from None
     texts = [t.strip() for t in texts]
     run = _load(args)
-    beam, alpha, batch_tokens = _decode_settings(args, run.cfg.decode)
+    beam, alpha, batch_tokens, workers = _decode_settings(args, run.cfg.decode)
     if not 1 <= args.nbest <= beam:
         raise MtxError(f"--nbest must be between 1 and --beam ({beam}), got {args.nbest}")
     dc = run.cfg.decode
@@ -223,6 +231,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
         batch_tokens,
         nbest=args.nbest,
         use_cache=not args.no_cache,
+        workers=workers,
     )
     out = sys.stdout
     for i, h in enumerate(hyps):
@@ -244,7 +253,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise MtxError("--src and --ref go together (source file and reference file)")
     run = _load(args)
     cfg = run.cfg
-    beam, alpha, batch_tokens = _decode_settings(args, cfg.decode)
+    beam, alpha, batch_tokens, workers = _decode_settings(args, cfg.decode)
     if args.src is not None:
         src, ref = read_parallel(args.src, args.ref)
         name = args.src.name.removesuffix(".gz")
@@ -266,6 +275,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         cfg.decode.max_len_b,
         batch_tokens,
         use_cache=not args.no_cache,
+        workers=workers,
     )
     output = args.output or args.run / "eval" / f"{name}.beam{beam}.{cfg.data.tgt_lang}"
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -405,7 +405,11 @@ class Seq2Seq(nn.Module):
     @contextlib.contextmanager
     def packed_output(self) -> Iterator[None]:
         """Within the block, CPU float32 inference projects with a prepacked copy of the output
-        weight (the weights must not change inside it: searches wrap one call in it)."""
+        weight (the weights must not change inside it: searches wrap one call in it). Nested
+        blocks reuse the outer one's copy, so decoding threads inside one block share it."""
+        if self._packed_output is not None:
+            yield
+            return
         self._packed_output = _pack_weight(self.output_weight)
         try:
             yield

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
@@ -101,6 +102,7 @@ def _force_eos(log_probs: torch.Tensor, rows: list[int], eos_column: int) -> Non
 
 P = ParamSpec("P")
 R = TypeVar("R")
+B = TypeVar("B")
 
 
 def _packed_output(search: Callable[P, R]) -> Callable[P, R]:
@@ -287,11 +289,13 @@ def translate_ids(
     nbest: int = 1,
     device: torch.device | None = None,
     use_cache: bool = True,
+    workers: int = 0,
 ) -> list[list[Hypothesis]]:
     """Decode many tokenised sentences (without EOS) in length-sorted batches; input order kept.
 
     Empty inputs give one empty hypothesis; inputs longer than the model's positions are
-    truncated (with a warning).
+    truncated (with a warning). Batches are decoded on `workers` threads (0: auto, see
+    `decode_workers`); the hypotheses do not depend on it (tests/test_search.py).
     """
     device = device or next(model.parameters()).device
     limit = model.cfg.max_positions - 1  # room for EOS
@@ -302,16 +306,55 @@ def translate_ids(
     results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] for _ in src_ids]
     todo = [i for i, s in enumerate(src_ids) if s]
     model.eval()
-    for batch in _decode_batches([len(src_ids[i]) + 1 for i in todo], batch_tokens):
-        index = [todo[j] for j in batch]
-        src = pad_ids([src_ids[i] for i in index], suffix=EOS).to(device)
+
+    def decode(batch: list[int]) -> list[list[Hypothesis]]:
+        src = pad_ids([src_ids[todo[j]] for j in batch], suffix=EOS).to(device)
         if beam == 1:
-            hyps = [[h] for h in greedy_search(model, src, max_len_a, max_len_b, use_cache)]
-        else:
-            hyps = beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, use_cache)
-        for i, h in zip(index, hyps, strict=True):
-            results[i] = h
+            return [[h] for h in greedy_search(model, src, max_len_a, max_len_b, use_cache)]
+        return beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, use_cache)
+
+    batches = _decode_batches([len(src_ids[i]) + 1 for i in todo], batch_tokens)
+    for batch, hyps in zip(batches, in_workers(decode, batches, workers, device, model), strict=True):
+        for j, h in zip(batch, hyps, strict=True):
+            results[todo[j]] = h
     return results
+
+
+def decode_workers(workers: int, device: torch.device) -> int:
+    """Decoding threads for `workers` (0: auto): on CPU with 2+ torch threads, 2, else 1.
+
+    Two threads that each decode their own batches with half the intra-op threads beat one
+    thread with all of them: a decoding step's products are small (one row per sentence or
+    beam), and 2-way intra-op parallelism splits them poorly (measured, README "Speed")."""
+    if workers:
+        return workers
+    return 2 if device.type == "cpu" and torch.get_num_threads() >= 2 else 1
+
+
+def in_workers(
+    fn: Callable[[B], R],
+    batches: Sequence[B],
+    workers: int,
+    device: torch.device,
+    model: Seq2Seq | Ensemble,
+) -> list[R]:
+    """[fn(b) for b in batches], on `decode_workers(workers, device)` threads that split torch's
+    intra-op threads between them, last batch first (`_decode_batches` ends with the longest).
+    The output weight is packed once for all of them; torch's thread count is restored after."""
+    workers = min(decode_workers(workers, device), len(batches))
+    if workers <= 1:
+        return [fn(b) for b in batches]
+    threads = torch.get_num_threads()
+    try:
+        with (
+            model.packed_output(),
+            ThreadPoolExecutor(
+                workers, initializer=torch.set_num_threads, initargs=(max(1, threads // workers),)
+            ) as pool,
+        ):
+            return list(pool.map(fn, batches[::-1]))[::-1]
+    finally:
+        torch.set_num_threads(threads)  # the BLAS thread count is process-wide
 
 
 def translate(
@@ -325,12 +368,13 @@ def translate(
     batch_tokens: int,
     device: torch.device | None = None,
     use_cache: bool = True,
+    workers: int = 0,
 ) -> list[str]:
     """1-best translations of token-id sentences as detokenised text, order kept.
 
     What `mtx eval`, validation during training and scripts/choose_on_val.py score, so all
     three turn ids into text the same way."""
     hyps = translate_ids(
-        model, src_ids, beam, alpha, max_len_a, max_len_b, batch_tokens, 1, device, use_cache=use_cache
+        model, src_ids, beam, alpha, max_len_a, max_len_b, batch_tokens, 1, device, use_cache=use_cache, workers=workers
     )
     return tgt_tok.decode_batch([h[0].tokens for h in hyps])

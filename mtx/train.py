@@ -888,6 +888,7 @@ class Trainer:
             dc.max_len_a,
             dc.max_len_b,
             dc.batch_tokens,
+            workers=dc.workers,
         )
         scores = corpus_scores(text, self.valid_refs)
         return {"val_loss": loss_sum / n_tokens, "val_bleu": scores.bleu, "val_chrf": scores.chrf}

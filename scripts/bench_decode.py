@@ -1,7 +1,10 @@
 """Decoding speed on test_2016_flickr: greedy and beam 5, with and without the KV cache.
 
-All settings decode the same sentences in the same batches, timed alternately per batch
-(A B C D A B C D ...) so that machine noise hits them alike. When the run's model restricts its
+All settings decode the same sentences in the same batches, timed alternately per group of
+batches (A B C D A B C D ...) so that machine noise hits them alike. "greedy" and "beam 5" are
+what `mtx eval` runs: on CPU with 2+ threads, 2 threads decoding their own batches side by side
+with half the intra-op threads each (`decode.workers`, auto); the ", 1 worker" rows decode one
+batch at a time with all the threads, as mtx did before. When the run's model restricts its
 softmax to the target pieces of train (`model.restrict_output`), the same weights with the softmax
 computed over the whole vocabulary are timed beside it (cached greedy and beam 5; the other pieces
 at -inf, so the outputs stay the same), which measures what the restriction buys in decoding.
@@ -28,16 +31,19 @@ from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.cli import main as mtx_main  # noqa: E402
 from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
 from mtx.model import Seq2Seq  # noqa: E402
-from mtx.search import beam_search, greedy_search  # noqa: E402
+from mtx.search import beam_search, decode_workers, greedy_search, in_workers  # noqa: E402
 from mtx.tokenizer import EOS  # noqa: E402
 
+# name -> (beam, cache, workers); 0 workers: the default (decode.workers auto)
 SETTINGS = {
-    "greedy, cache": (1, True),
-    "greedy, no cache": (1, False),
-    "beam 5, cache": (5, True),
-    "beam 5, no cache": (5, False),
+    "greedy": (1, True, 0),
+    "greedy, 1 worker": (1, True, 1),
+    "greedy, no cache": (1, False, 1),
+    "beam 5": (5, True, 0),
+    "beam 5, 1 worker": (5, True, 1),
+    "beam 5, no cache": (5, False, 1),
 }
-WHOLE_VOCAB = {"greedy, whole vocab": 1, "beam 5, whole vocab": 5}  # cached; restricted runs only
+WHOLE_VOCAB = {"greedy, whole vocab": 1, "beam 5, whole vocab": 5}  # cached, default workers; restricted runs only
 
 
 def split_batches(
@@ -121,26 +127,34 @@ def main() -> None:
     b = cfg.decode.max_len_b
     alpha = cfg.decode.length_penalty
 
-    # name -> (model, beam, cache)
-    settings = {name: (run.model, beam, cache) for name, (beam, cache) in SETTINGS.items()}
+    # name -> (model, beam, cache, workers)
+    settings = {name: (run.model, *setting) for name, setting in SETTINGS.items()}
     if run.model.output_ids is not None:
         whole = WholeVocabulary(run)
-        settings |= {name: (whole, beam, True) for name, beam in WHOLE_VOCAB.items()}
+        settings |= {name: (whole, beam, True, 0) for name, beam in WHOLE_VOCAB.items()}
         decode_tokens(whole, batches[0], 5, a, b, alpha)  # warm up
     decode_tokens(run.model, batches[0], 5, a, b, alpha)  # warm up
+    cpu = torch.device("cpu")
+    group = decode_workers(0, cpu)  # batches per turn: one each for the default's threads
     seconds = dict.fromkeys(settings, 0.0)
     out_tokens = dict.fromkeys(settings, 0)
     outputs: dict[str, list[list[int]]] = {name: [] for name in settings}
-    for batch in batches:
-        for name, (model, beam, cache) in settings.items():
+    for first in range(0, len(batches), group):
+        turn = batches[first : first + group]
+        for name, (model, beam, cache, workers) in settings.items():
+
+            def decode(batch: torch.Tensor) -> list[list[int]]:
+                return decode_tokens(model, batch, beam, a, b, alpha, cache)  # noqa: B023 - called in this turn
+
             start = time.perf_counter()
-            hyps = decode_tokens(model, batch, beam, a, b, alpha, cache)
+            hyps = [h for batch_hyps in in_workers(decode, turn, workers, cpu, model) for h in batch_hyps]
             seconds[name] += time.perf_counter() - start
             out_tokens[name] += sum(len(h) + 1 for h in hyps)  # + EOS
             outputs[name] += hyps
 
     print(f"{run_dir}: {cfg.model.d_model}d {cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers} layers, ", end="")
-    print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences), {args.threads} threads, ", end="")
+    print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences), {args.threads} threads ", end="")
+    print(f"({group} decoding threads by default), ", end="")
     print(f"batches of {args.batch_sentences} sentences, max length {a}*src+{b}")
     print(f"{'setting':20s} {'sent/s':>8s} {'out tok/s':>10s} {'mean len':>9s} {'seconds':>8s}")
     for name in settings:
@@ -149,17 +163,17 @@ def main() -> None:
             f"{out_tokens[name] / n:9.2f} {seconds[name]:8.2f}"
         )
     same = {
-        "greedy": outputs["greedy, cache"] == outputs["greedy, no cache"],
-        "beam5": outputs["beam 5, cache"] == outputs["beam 5, no cache"],
+        "greedy": outputs["greedy"] == outputs["greedy, no cache"] == outputs["greedy, 1 worker"],
+        "beam5": outputs["beam 5"] == outputs["beam 5, no cache"] == outputs["beam 5, 1 worker"],
     }
-    print(f"cached == uncached outputs: greedy {same['greedy']}, beam 5 {same['beam5']}")
+    print(f"cached == uncached == 1-worker outputs: greedy {same['greedy']}, beam 5 {same['beam5']}")
     restricted: dict[str, float] = {}
     identical: dict[str, float] = {}
     if run.model.output_ids is not None:
         print(f"restricted softmax: {len(run.model.output_ids)} of {run.tgt_tok.vocab_size} target pieces")
         for key, mine, whole_name in (
-            ("greedy", "greedy, cache", "greedy, whole vocab"),
-            ("beam5", "beam 5, cache", "beam 5, whole vocab"),
+            ("greedy", "greedy", "greedy, whole vocab"),
+            ("beam5", "beam 5", "beam 5, whole vocab"),
         ):
             restricted[key] = round(seconds[whole_name] / seconds[mine], 3)
             agree = sum(x == y for x, y in zip(outputs[mine], outputs[whole_name], strict=True))
@@ -168,13 +182,16 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "greedy_sent_per_s": round(n / seconds["greedy, cache"], 2),
-                "beam5_sent_per_s": round(n / seconds["beam 5, cache"], 2),
-                "greedy_tok_per_s": round(out_tokens["greedy, cache"] / seconds["greedy, cache"], 1),
-                "beam5_tok_per_s": round(out_tokens["beam 5, cache"] / seconds["beam 5, cache"], 1),
-                "beam5_cache_speedup": round(seconds["beam 5, no cache"] / seconds["beam 5, cache"], 3),
-                "greedy_cache_speedup": round(seconds["greedy, no cache"] / seconds["greedy, cache"], 3),
-                "beam5_slowdown_vs_greedy": round(seconds["beam 5, cache"] / seconds["greedy, cache"], 3),
+                "greedy_sent_per_s": round(n / seconds["greedy"], 2),
+                "beam5_sent_per_s": round(n / seconds["beam 5"], 2),
+                "greedy_tok_per_s": round(out_tokens["greedy"] / seconds["greedy"], 1),
+                "beam5_tok_per_s": round(out_tokens["beam 5"] / seconds["beam 5"], 1),
+                "greedy_tok_per_s_1_worker": round(out_tokens["greedy"] / seconds["greedy, 1 worker"], 1),
+                "beam5_tok_per_s_1_worker": round(out_tokens["beam 5"] / seconds["beam 5, 1 worker"], 1),
+                # the cache on its own: both sides decode one batch at a time
+                "beam5_cache_speedup": round(seconds["beam 5, no cache"] / seconds["beam 5, 1 worker"], 3),
+                "greedy_cache_speedup": round(seconds["greedy, no cache"] / seconds["greedy, 1 worker"], 3),
+                "beam5_slowdown_vs_greedy": round(seconds["beam 5"] / seconds["greedy"], 3),
                 "cached_equals_uncached": same,
                 "restricted_output_speedup": restricted or None,
                 "restricted_output_identical": identical or None,

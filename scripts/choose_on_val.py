@@ -66,7 +66,9 @@ def val_bleu(
     """Val BLEU of `model` (of `run`) at length penalty `alpha` and `beam` (0: the config's)."""
     dc = run.cfg.decode
     beam = beam or dc.beam
-    text = translate(model, run.tgt_tok, src_ids, beam, alpha, dc.max_len_a, dc.max_len_b, dc.batch_tokens)
+    text = translate(
+        model, run.tgt_tok, src_ids, beam, alpha, dc.max_len_a, dc.max_len_b, dc.batch_tokens, workers=dc.workers
+    )
     return corpus_scores(text, refs).bleu
 
 

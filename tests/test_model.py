@@ -207,6 +207,10 @@ def test_packed_output_projection_matches_plain_and_ends_with_its_block(restrict
         logits = model.project(states.requires_grad_())  # autograd: the plain, differentiable product
         (grad,) = torch.autograd.grad(logits.sum(), states)
         assert grad.shape == states.shape
+        packed = model._packed_output
+        with model.packed_output():  # nested (a search inside translate_ids' block): the same copy
+            assert model._packed_output is packed
+        assert model._packed_output is packed
     assert model._packed_output is None
     with torch.no_grad():
         model.output_table.mul_(1.5)

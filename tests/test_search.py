@@ -68,6 +68,30 @@ def test_batched_equals_one_at_a_time(run: LoadedRun, src_ids: list[list[int]], 
     assert [h[0].tokens for h in small_batches] == [h[0].tokens for h in batched]
 
 
+@pytest.mark.parametrize("beam", [1, 5])
+def test_decoding_threads_change_no_output(run: LoadedRun, src_ids: list[list[int]], beam: int) -> None:
+    """Batches decoded by 2 or 3 threads side by side (`workers`) come back in input order with
+    the hypotheses of one thread, and torch's thread count is what it was."""
+    threads = torch.get_num_threads()
+    one = translate_ids(run.model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=60, nbest=beam, workers=1)
+    for workers in (2, 3):
+        several = translate_ids(run.model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=60, nbest=beam, workers=workers)
+        for a, b in zip(one, several, strict=True):
+            assert [h.tokens for h in a] == [h.tokens for h in b]
+            assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+        assert torch.get_num_threads() == threads
+
+
+def test_decoding_threads_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert search.decode_workers(0, cpu) == 2
+    assert search.decode_workers(0, torch.device("cuda")) == 1
+    assert search.decode_workers(3, cpu) == 3
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert search.decode_workers(0, cpu) == 1
+
+
 @pytest.mark.parametrize("beam", [1, 4])
 def test_cached_equals_uncached(run: LoadedRun, src_ids: list[list[int]], beam: int) -> None:
     cached = translate_ids(run.model, src_ids[:20], beam, 1.0, 1.2, 10, 100_000, nbest=beam)
