@@ -101,7 +101,7 @@ class DecodeConfig:
     max_len_a: float = 1.2
     max_len_b: int = 10
     batch_tokens: int = 4000  # decode batch budget in source tokens
-    workers: int = 0  # threads decoding batches side by side; 0: auto (2 on CPU with 2+ threads)
+    workers: int = 0  # threads decoding batches side by side, sharing torch's; 0: auto (2 on CPU with 2+ threads)
 
 
 @dataclass(frozen=True)

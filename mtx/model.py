@@ -180,7 +180,8 @@ class Attention(nn.Module):
             kv = cache.cross_kv[layer] if cache is not None else None
             if kv is None:
                 kv = self._heads(self.kv_proj(memory), 2)  # computed once per sentence
-                if cache is not None:
+                if cache is not None:  # contiguous: every later step multiplies by them without a copy
+                    kv = tuple(t.contiguous() for t in kv)
                     cache.cross_kv[layer] = kv
             k, v = kv
             group = q.shape[0] // k.shape[0]

@@ -321,14 +321,15 @@ def translate_ids(
 
 
 def decode_workers(workers: int, device: torch.device) -> int:
-    """Decoding threads for `workers` (0: auto): on CPU with 2+ torch threads, 2, else 1.
+    """Decoding threads for `workers` (0: auto): on CPU with 2+ torch threads, 2, else 1; on
+    CPU never more than torch's threads, which they share.
 
     Two threads that each decode their own batches with half the intra-op threads beat one
     thread with all of them: a decoding step's products are small (one row per sentence or
     beam), and 2-way intra-op parallelism splits them poorly (measured, README "Speed")."""
-    if workers:
-        return workers
-    return 2 if device.type == "cpu" and torch.get_num_threads() >= 2 else 1
+    if device.type != "cpu":
+        return max(workers, 1)
+    return min(workers or 2, max(torch.get_num_threads(), 1))
 
 
 def in_workers(
@@ -340,21 +341,19 @@ def in_workers(
 ) -> list[R]:
     """[fn(b) for b in batches], on `decode_workers(workers, device)` threads that split torch's
     intra-op threads between them, last batch first (`_decode_batches` ends with the longest).
-    The output weight is packed once for all of them; torch's thread count is restored after."""
+    The output weight is packed once for all batches; torch's thread count is restored after."""
     workers = min(decode_workers(workers, device), len(batches))
-    if workers <= 1:
-        return [fn(b) for b in batches]
     threads = torch.get_num_threads()
-    try:
-        with (
-            model.packed_output(),
-            ThreadPoolExecutor(
+    with model.packed_output():
+        if workers <= 1:
+            return [fn(b) for b in batches]
+        try:
+            with ThreadPoolExecutor(
                 workers, initializer=torch.set_num_threads, initargs=(max(1, threads // workers),)
-            ) as pool,
-        ):
-            return list(pool.map(fn, batches[::-1]))[::-1]
-    finally:
-        torch.set_num_threads(threads)  # the BLAS thread count is process-wide
+            ) as pool:
+                return list(pool.map(fn, batches[::-1]))[::-1]
+        finally:
+            torch.set_num_threads(threads)  # the BLAS thread count is process-wide
 
 
 def translate(

@@ -7,6 +7,11 @@ engine's idle worker threads keep spinning for a while after it returns and woul
 engine's next batch, so per-batch turns measure the interference more than either engine.
 CTranslate2 runs in a child process and times itself there: a Translator in the same process as
 torch made torch about 2.5x slower even while the Translator was idle.
+Each engine runs in both of its thread layouts: all threads on one batch at a time (intra-op
+only; mtx's ", 1 worker", CTranslate2's `intra_threads=threads`), and batches side by side on
+2 workers with half the threads each (mtx's default on CPU, `decode.workers`; CTranslate2's
+`inter_threads=2`, batches submitted asynchronously). The ratios in the JSON line set mtx's
+default beside CTranslate2's faster layout.
 Prints sentences/s, output tokens/s, mean output length and how often the two give the same
 output (greedy must agree almost always, or the conversion is wrong); the last line is JSON.
 Needs `pip install ctranslate2` (not a dependency of mtx).
@@ -39,7 +44,7 @@ from bench_decode import decode_tokens, outside_bias, split_batches  # noqa: E40
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.data import pad_ids  # noqa: E402
-from mtx.search import max_output_lengths  # noqa: E402
+from mtx.search import decode_workers, in_workers, max_output_lengths  # noqa: E402
 from mtx.tokenizer import BPE, EOS  # noqa: E402
 
 
@@ -117,24 +122,37 @@ def convert(run: LoadedRun, out_dir: Path) -> None:
 
 
 def _ct2_worker(conn: Any, model_dir: str, threads: int, batches: list[Any], alpha: float) -> None:
-    """Child process: decode every batch with CTranslate2 for each beam size asked, timing it."""
+    """Child process: for each (beam size, workers) asked, decode every batch with CTranslate2
+    (`inter_threads=workers`, the threads split between them), timing it. One Translator at a
+    time, so that no idle thread pool competes with the timed one."""
     import ctranslate2
 
-    translator = ctranslate2.Translator(
-        model_dir, device="cpu", compute_type="float32", intra_threads=threads, inter_threads=1
-    )
-    while (beam := conn.recv()) is not None:
+    translator, layout = None, 0
+    while (request := conn.recv()) is not None:
+        beam, workers = request
+        if workers != layout:
+            del translator
+            translator, layout = None, workers
+            translator = ctranslate2.Translator(
+                model_dir,
+                device="cpu",
+                compute_type="float32",
+                intra_threads=max(1, threads // workers),
+                inter_threads=workers,
+            )
         start = time.perf_counter()
-        out = []
-        for tokens, limit in batches:
-            results = translator.translate_batch(
+        jobs = [
+            translator.translate_batch(
                 tokens,
                 beam_size=beam,
                 length_penalty=alpha if beam > 1 else 0.0,
                 max_decoding_length=limit,
                 max_batch_size=0,
+                asynchronous=workers > 1,  # a job per batch, taken by whichever worker is free
             )
-            out += [r.hypotheses[0] for r in results]
+            for tokens, limit in batches
+        ]
+        out = [(r.result() if workers > 1 else r).hypotheses[0] for results in jobs for r in results]
         conn.send((time.perf_counter() - start, out))
 
 
@@ -154,6 +172,7 @@ def main() -> None:
         sys.exit("bench_ctranslate2: needs CTranslate2; run: pip install ctranslate2")
 
     torch.set_num_threads(args.threads)
+    side_by_side = max(2, decode_workers(0, torch.device("cpu")))  # mtx's default layout, at least 2
     run = load_run(args.run)
     cfg = run.cfg
     n, batches = split_batches(run, args.split, args.sentences, args.batch_sentences)
@@ -165,9 +184,12 @@ def main() -> None:
     limits = [int(max_output_lengths(x, a, b, run.model).max()) - 1 for x in padded]  # mtx's limit counts EOS
     ct2_batches = [([[src_vocab[i] for i in s] for s in x], limit) for x, limit in zip(batches, limits, strict=True)]
 
-    def mtx_pass(beam: int) -> tuple[float, list[list[int]]]:
+    def mtx_pass(beam: int, workers: int) -> tuple[float, list[list[int]]]:
+        def decode(x: torch.Tensor) -> list[list[int]]:
+            return decode_tokens(run.model, x, beam, a, b, alpha)
+
         start = time.perf_counter()
-        out = [hyp for x in padded for hyp in decode_tokens(run.model, x, beam, a, b, alpha)]
+        out = [hyp for hyps in in_workers(decode, padded, workers, torch.device("cpu"), run.model) for hyp in hyps]
         return time.perf_counter() - start, out
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,24 +202,27 @@ def main() -> None:
         )
         worker.start()
 
-        def ct2_pass(beam: int) -> tuple[float, list[list[int]]]:
-            parent.send(beam)
+        def ct2_pass(beam: int, workers: int) -> tuple[float, list[list[int]]]:
+            parent.send((beam, workers))
             seconds, tokens = parent.recv()  # timed inside the worker
             return seconds, [[tgt_index[t] for t in hyp] for hyp in tokens]
 
-        settings = {
-            "mtx greedy": (mtx_pass, 1),
-            "ctranslate2 greedy": (ct2_pass, 1),
-            f"mtx beam {args.beam}": (mtx_pass, args.beam),
-            f"ctranslate2 beam {args.beam}": (ct2_pass, args.beam),
-        }
-        for fn, beam in settings.values():  # warm up
-            fn(beam)
+        beam_name = f"beam {args.beam}"
+        settings = {}
+        for kind, beam in (("greedy", 1), (beam_name, args.beam)):
+            settings |= {
+                f"mtx {kind}": (mtx_pass, beam, 0),
+                f"mtx {kind}, 1 worker": (mtx_pass, beam, 1),
+                f"ctranslate2 {kind}": (ct2_pass, beam, 1),
+                f"ctranslate2 {kind}, {side_by_side} workers": (ct2_pass, beam, side_by_side),
+            }
+        for fn, beam, workers in settings.values():  # warm up
+            fn(beam, workers)
         seconds = dict.fromkeys(settings, 0.0)
         outputs: dict[str, list[list[int]]] = {}
         for _ in range(args.rounds):
-            for name, (fn, beam) in settings.items():
-                took, outputs[name] = fn(beam)
+            for name, (fn, beam, workers) in settings.items():
+                took, outputs[name] = fn(beam, workers)
                 seconds[name] += took
         parent.send(None)
         worker.join()
@@ -209,26 +234,26 @@ def main() -> None:
     print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences, {args.rounds} passes), ", end="")
     print(f"{args.threads} threads, ", end="")
     print(f"batches of {args.batch_sentences}; CTranslate2 {ctranslate2.__version__} float32")
-    print(f"{'setting':22s} {'sent/s':>8s} {'out tok/s':>10s} {'mean len':>9s} {'seconds':>8s}")
+    print(f"{'setting':32s} {'sent/s':>8s} {'out tok/s':>10s} {'mean len':>9s} {'seconds':>8s}")
     for name in settings:
-        print(f"{name:22s} {decoded / seconds[name]:8.1f} {tokens[name] / seconds[name]:10.0f} ", end="")
+        print(f"{name:32s} {decoded / seconds[name]:8.1f} {tokens[name] / seconds[name]:10.0f} ", end="")
         print(f"{tokens[name] / decoded:9.2f} {seconds[name]:8.2f}")
-    beam_name = f"beam {args.beam}"
     same = {
         kind: sum(x == y for x, y in zip(outputs[f"mtx {kind}"], outputs[f"ctranslate2 {kind}"], strict=True)) / n
         for kind in ("greedy", beam_name)
     }
     print(f"same output as CTranslate2: greedy {100 * same['greedy']:.1f}%, {beam_name} {100 * same[beam_name]:.1f}%")
-    summary = {
-        "mtx_greedy_tok_per_s": round(tokens["mtx greedy"] / seconds["mtx greedy"], 1),
-        "ct2_greedy_tok_per_s": round(tokens["ctranslate2 greedy"] / seconds["ctranslate2 greedy"], 1),
-        "mtx_beam_tok_per_s": round(tokens[f"mtx {beam_name}"] / seconds[f"mtx {beam_name}"], 1),
-        "ct2_beam_tok_per_s": round(tokens[f"ctranslate2 {beam_name}"] / seconds[f"ctranslate2 {beam_name}"], 1),
-        "greedy_speed_ratio_mtx_over_ct2": round(seconds["ctranslate2 greedy"] / seconds["mtx greedy"], 3),
-        "beam_speed_ratio_mtx_over_ct2": round(seconds[f"ctranslate2 {beam_name}"] / seconds[f"mtx {beam_name}"], 3),
-        "greedy_agreement": round(same["greedy"], 4),
-        "beam_agreement": round(same[beam_name], 4),
-    }
+    summary: dict[str, float] = {}
+    for kind, key in (("greedy", "greedy"), (beam_name, "beam")):
+        ct2 = min((f"ctranslate2 {kind}", f"ctranslate2 {kind}, {side_by_side} workers"), key=seconds.__getitem__)
+        summary |= {
+            f"mtx_{key}_tok_per_s": round(tokens[f"mtx {kind}"] / seconds[f"mtx {kind}"], 1),
+            f"mtx_{key}_tok_per_s_1_worker": round(tokens[f"mtx {kind}"] / seconds[f"mtx {kind}, 1 worker"], 1),
+            f"ct2_{key}_tok_per_s": round(tokens[ct2] / seconds[ct2], 1),  # its faster layout
+            f"ct2_{key}_workers": 1 if ct2 == f"ctranslate2 {kind}" else side_by_side,
+            f"{key}_speed_ratio_mtx_over_ct2": round(seconds[ct2] / seconds[f"mtx {kind}"], 3),
+        }
+    summary |= {"greedy_agreement": round(same["greedy"], 4), "beam_agreement": round(same[beam_name], 4)}
     print(json.dumps(summary))
     if same["greedy"] < 0.9:
         sys.exit("bench_ctranslate2: greedy outputs disagree on over 10% of sentences; the conversion is wrong")
