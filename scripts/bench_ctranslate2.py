@@ -131,8 +131,8 @@ def _ct2_worker(conn: Any, model_dir: str, threads: int, batches: list[Any], alp
     while (request := conn.recv()) is not None:
         beam, workers = request
         if workers != layout:
-            del translator
-            translator, layout = None, workers
+            translator = None  # the previous Translator and its threads go before the next starts
+            layout = workers
             translator = ctranslate2.Translator(
                 model_dir,
                 device="cpu",

@@ -432,6 +432,11 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ("--beam must be >= 1",),
     ),
     (
+        "eval --workers -1",
+        lambda t, d, r: (["eval", "--run", str(r), "--workers", "-1"], None),
+        ("--workers must be >= 0",),
+    ),
+    (
         "run directory without checkpoints (translate)",
         lambda t, d, r: (["translate", "--run", str(copy_run(r, t / "run", ())), "x"], None),
         ("no checkpoints yet",),
