@@ -347,12 +347,11 @@ def in_workers(
     with model.packed_output():
         if workers <= 1:
             return [fn(b) for b in batches]
+        pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(max(1, threads // workers),))
         try:
-            with ThreadPoolExecutor(
-                workers, initializer=torch.set_num_threads, initargs=(max(1, threads // workers),)
-            ) as pool:
-                return list(pool.map(fn, batches[::-1]))[::-1]
-        finally:
+            return list(pool.map(fn, batches[::-1]))[::-1]
+        finally:  # on an error or Ctrl-C, the batches not yet started are dropped, not decoded first
+            pool.shutdown(wait=True, cancel_futures=True)
             torch.set_num_threads(threads)  # the BLAS thread count is process-wide
 
 

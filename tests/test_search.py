@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,26 @@ def test_decoding_threads_change_no_output(run: LoadedRun, src_ids: list[list[in
             assert [h.tokens for h in a] == [h.tokens for h in b]
             assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
         assert torch.get_num_threads() == threads
+
+
+def test_an_error_in_a_decoding_thread_stops_the_rest(tiny_run: Path) -> None:
+    """An error (or Ctrl-C) while threads decode ends the call with that error; the batches not
+    started yet are dropped rather than decoded first, and torch's thread count is restored."""
+    model = load_run(tiny_run).model
+    threads, calls = torch.get_num_threads(), []
+
+    def decode(batch: int) -> int:
+        calls.append(batch)
+        if batch == 39:  # the first batch handed out (last batch first)
+            raise RuntimeError("batch 39 failed")
+        time.sleep(0.05)
+        return batch
+
+    with pytest.raises(RuntimeError, match="batch 39 failed"):
+        search.in_workers(decode, list(range(40)), 2, torch.device("cpu"), model)
+    assert len(calls) < 10
+    assert torch.get_num_threads() == threads
+    assert search.in_workers(lambda b: 2 * b, list(range(5)), 2, torch.device("cpu"), model) == [0, 2, 4, 6, 8]
 
 
 def test_decoding_threads_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
