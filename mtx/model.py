@@ -57,11 +57,12 @@ class Dropout(nn.Module):
 
 # Searches on CPU in float32 multiply the decoder states by a copy of the output weight prepacked
 # for oneDNN (the ops torch.compile's CPU backend uses for frozen weights), packed once per search
-# call (`Seq2Seq.packed_output`). Measured alternating per batch on test_2016_flickr, 2 AVX2 cores,
-# identical outputs: greedy 1.14x and beam 5 1.06x faster at d_model 256 with an 8k softmax, 1.10x
-# and 1.08x at d_model 128 with 4,180 outputs (whose restricted weight is no longer gathered at
-# every step). Packing every linear layer was slower at d_model 128 (greedy 0.77x): for small
-# products oneDNN's ~20 us more per call outweighs its faster kernel.
+# call, or once per `translate_ids` call for all its batches (`Seq2Seq.packed_output`). Measured
+# alternating per batch on test_2016_flickr, 2 AVX2 cores, identical outputs: greedy 1.14x and
+# beam 5 1.06x faster at d_model 256 with an 8k softmax, 1.10x and 1.08x at d_model 128 with 4,180
+# outputs (whose restricted weight is no longer gathered at every step). Packing every linear
+# layer was slower at d_model 128 (greedy 0.77x): for small products oneDNN's ~20 us more per call
+# outweighs its faster kernel.
 _PACK_ROWS_HINT = 64
 _can_pack = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 

@@ -40,11 +40,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_decode import decode_tokens, outside_bias, split_batches  # noqa: E402
+from bench_decode import decode_all, outside_bias, split_batches  # noqa: E402
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.data import pad_ids  # noqa: E402
-from mtx.search import decode_workers, in_workers, max_output_lengths  # noqa: E402
+from mtx.search import decode_workers, max_output_lengths  # noqa: E402
 from mtx.tokenizer import BPE, EOS  # noqa: E402
 
 
@@ -185,11 +185,8 @@ def main() -> None:
     ct2_batches = [([[src_vocab[i] for i in s] for s in x], limit) for x, limit in zip(batches, limits, strict=True)]
 
     def mtx_pass(beam: int, workers: int) -> tuple[float, list[list[int]]]:
-        def decode(x: torch.Tensor) -> list[list[int]]:
-            return decode_tokens(run.model, x, beam, a, b, alpha)
-
         start = time.perf_counter()
-        out = [hyp for hyps in in_workers(decode, padded, workers, torch.device("cpu"), run.model) for hyp in hyps]
+        out = decode_all(run.model, padded, beam, a, b, alpha, workers=workers)
         return time.perf_counter() - start, out
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,6 +18,7 @@ overrides apply to it). The last line is JSON for scripts.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -70,6 +71,22 @@ def decode_tokens(
     if beam == 1:
         return [h.tokens for h in greedy_search(model, batch, a, b, use_cache=cache)]
     return [h[0].tokens for h in beam_search(model, batch, beam, alpha, a, b, use_cache=cache)]
+
+
+def decode_all(
+    model: Seq2Seq,
+    batches: list[torch.Tensor],
+    beam: int,
+    a: float,
+    b: int,
+    alpha: float,
+    cache: bool = True,
+    workers: int = 0,
+) -> list[list[int]]:
+    """`decode_tokens` over padded batches, on `workers` decoding threads as `mtx eval` runs them
+    (0: its default; `in_workers`); the output ids of every sentence, in batch order."""
+    decode = functools.partial(decode_tokens, model, beam=beam, a=a, b=b, alpha=alpha, cache=cache)
+    return [hyp for hyps in in_workers(decode, batches, workers, torch.device("cpu"), model) for hyp in hyps]
 
 
 def outside_bias(model: Seq2Seq, value: float) -> torch.Tensor:
@@ -134,20 +151,15 @@ def main() -> None:
         settings |= {name: (whole, beam, True, 0) for name, beam in WHOLE_VOCAB.items()}
         decode_tokens(whole, batches[0], 5, a, b, alpha)  # warm up
     decode_tokens(run.model, batches[0], 5, a, b, alpha)  # warm up
-    cpu = torch.device("cpu")
-    group = decode_workers(0, cpu)  # batches per turn: one each for the default's threads
+    group = decode_workers(0, torch.device("cpu"))  # batches per turn: one each for the default's threads
     seconds = dict.fromkeys(settings, 0.0)
     out_tokens = dict.fromkeys(settings, 0)
     outputs: dict[str, list[list[int]]] = {name: [] for name in settings}
     for first in range(0, len(batches), group):
         turn = batches[first : first + group]
         for name, (model, beam, cache, workers) in settings.items():
-
-            def decode(batch: torch.Tensor) -> list[list[int]]:
-                return decode_tokens(model, batch, beam, a, b, alpha, cache)  # noqa: B023 - called in this turn
-
             start = time.perf_counter()
-            hyps = [h for batch_hyps in in_workers(decode, turn, workers, cpu, model) for h in batch_hyps]
+            hyps = decode_all(model, turn, beam, a, b, alpha, cache, workers)
             seconds[name] += time.perf_counter() - start
             out_tokens[name] += sum(len(h) + 1 for h in hyps)  # + EOS
             outputs[name] += hyps
