@@ -74,7 +74,8 @@ class TrainConfig:
     warmup_steps: int = 1000
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
-    weight_decay: float = 0.0
+    optimizer: str = "adam"  # adam (weight decay added to the gradient) | adamw (decoupled decay, Loshchilov & Hutter)
+    weight_decay: float = 0.0  # adamw: matrices and embeddings only, not biases or norm gains
     label_smoothing: float = 0.1
     rdrop: float = 0.0  # R-Drop: weight of the symmetric KL between two dropout passes of each batch; 0: off
     clip_norm: float = 1.0  # 0: no clipping
@@ -116,6 +117,7 @@ class Config:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "train.schedule": ("inverse_sqrt", "noam", "constant", "linear"),
     "train.amp": ("auto", "bf16", "fp16", "fp32"),
+    "train.optimizer": ("adam", "adamw"),
 }
 _POSITIVE = {
     "tokenizer.vocab_size",

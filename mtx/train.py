@@ -187,12 +187,19 @@ def learning_rate(step: int, cfg: TrainConfig, d_model: int, elapsed: float = 0.
     return cfg.lr * factor
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Adam:
-    """Adam with the fused (single-kernel) update where the device has one."""
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """Adam or AdamW with the fused (single-kernel) update where the device has one. AdamW decays
+    the matrices and embeddings only (parameters of 2+ dimensions), not biases or norm gains."""
     fused = {"fused": True} if device.type in ("cuda", "cpu") else {}
-    return torch.optim.Adam(
-        model.parameters(), lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay, **fused
-    )
+    common = {"lr": cfg.lr, "betas": cfg.adam_betas, "eps": cfg.adam_eps, **fused}
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), weight_decay=cfg.weight_decay, **common)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, **common)
 
 
 def label_smoothed_loss(model: Seq2Seq, batch: Batch, smoothing: float) -> torch.Tensor:
@@ -1102,10 +1109,11 @@ def resolve_config(cfg: Config) -> Config:
     return replace(cfg, data=replace(cfg.data, dir=str(resolve_data_dir(cfg.data))))
 
 
-_FIXED_ON_RESUME = {  # keys that the tokenizer or the weights depend on
+_FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer state depend on
     "tokenizer": tuple(to_dict(Config())["tokenizer"]),
     "model": tuple(k for k in to_dict(Config())["model"] if "dropout" not in k),
     "data": ("src_lang", "tgt_lang"),
+    "train": ("optimizer",),  # the optimizer state holds its parameter groups
 }
 
 

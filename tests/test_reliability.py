@@ -484,6 +484,14 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ),
         ("--resume cannot change model.d_ff", "128", "256"),
     ),
+    (
+        "resume changing the optimizer",
+        lambda t, d, r: (
+            ["train", "--run-dir", str(copy_run(r, t / "run")), "--resume", "--set", "train.optimizer=adamw"],
+            None,
+        ),
+        ("--resume cannot change train.optimizer", "'adam'", "'adamw'"),
+    ),
 ]
 
 

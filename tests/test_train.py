@@ -19,6 +19,7 @@ from mtx.train import (
     _rdrop_of_logits,
     label_smoothed_loss,
     learning_rate,
+    make_optimizer,
     rdrop_loss,
 )
 
@@ -45,6 +46,32 @@ def test_linear_schedule_reaches_zero_at_the_end_of_steps_or_minutes() -> None:
     assert learning_rate(200, timed, 256, elapsed=0.0) == pytest.approx(8e-4)  # steps used up faster
     assert learning_rate(200, timed, 256, elapsed=450.0) == pytest.approx(2.5e-4)  # 3/4 of the minutes used
     assert learning_rate(200, timed, 256, elapsed=900.0) == 0.0  # past the budget: never negative
+
+
+def test_adamw_decays_matrices_only_and_apart_from_the_gradient() -> None:
+    """With zero gradients Adam's step is zero, so what moves is the decay alone: AdamW shrinks
+    each matrix by lr * weight_decay and leaves biases and norm gains; Adam's decay goes through
+    the adaptive step (about lr per element, whatever the weight's size)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    before = [p.detach().clone() for p in net.parameters()]
+    opt = make_optimizer(net, TrainConfig(lr=0.1, optimizer="adamw", weight_decay=0.5), torch.device("cpu"))
+    assert isinstance(opt, torch.optim.AdamW)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for p, old in zip(net.parameters(), before, strict=True):
+        expected = old * (1 - 0.1 * 0.5) if p.dim() >= 2 else old
+        assert torch.allclose(p.detach(), expected, atol=1e-7)
+    coupled = torch.nn.Linear(4, 3)
+    old = coupled.weight.detach().clone()
+    opt = make_optimizer(coupled, TrainConfig(lr=0.1, weight_decay=0.5), torch.device("cpu"))
+    assert type(opt) is torch.optim.Adam
+    for p in coupled.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    step = (old - coupled.weight.detach()).abs()
+    assert torch.allclose(step, torch.full_like(step, 0.1), rtol=1e-3)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
