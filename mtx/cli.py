@@ -189,25 +189,13 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, import
     return load_run(args.run, args.checkpoint, pick_device(args.device))
 
 
-def _read_stdin_lines() -> list[str]:
-    raw = sys.stdin.buffer.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise MtxError(f"standard input: line {line} is not valid UTF-8; re-encode the input as UTF-8") from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [line.strip() for line in lines]
-
-
 def cmd_translate(args: argparse.Namespace) -> int:
+    from mtx.data import text_lines
     from mtx.search import translate_ids
 
     texts = args.text
     if not texts or texts == ["-"]:
-        texts = _read_stdin_lines()
+        texts = text_lines(sys.stdin.buffer.read(), "standard input", "the input")
     elif "-" in texts:
         raise MtxError("'-' (read standard input) cannot be mixed with TEXT arguments")
     for i, text in enumerate(texts, 1):

@@ -71,20 +71,26 @@ def read_lines(path: str | Path, allow_empty: bool = False) -> list[str]:
         raise DataError(f"{path}: file not found") from None
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise DataError(f"{path}: cannot read ({e})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise DataError(f"{path}: line {line} is not valid UTF-8; re-encode the file as UTF-8") from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    lines = [line.strip() for line in lines]
+    lines = text_lines(raw, str(path), "the file")
     if not allow_empty:
         for i, line in enumerate(lines):
             if not line:
                 raise DataError(f"{path}: line {i + 1} is empty; remove empty lines from the data")
     return lines
+
+
+def text_lines(raw: bytes, source: str, what: str) -> list[str]:
+    """UTF-8 bytes -> stripped lines (a last newline ends the last line, it does not start an
+    empty one); bytes that are not UTF-8 are a `DataError` naming `source` and the line."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(f"{source}: line {line} is not valid UTF-8; re-encode {what} as UTF-8") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.strip() for line in lines]
 
 
 def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]:
