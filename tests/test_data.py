@@ -17,6 +17,7 @@ from mtx.data import (
     plan_batches,
     read_lines,
     resolve_data_dir,
+    text_lines,
     texts,
 )
 from mtx.errors import DataError
@@ -66,6 +67,14 @@ def test_data_errors(tmp_path: Path) -> None:
 def test_read_lines_strips_and_keeps_count(tmp_path: Path) -> None:
     (tmp_path / "x").write_text(" a \r\nb\n")
     assert read_lines(tmp_path / "x") == ["a", "b"]
+
+
+def test_text_lines_keeps_inner_empty_lines_and_names_the_source() -> None:
+    # translate's standard input: an inner empty line stays (it gets an empty translation)
+    assert text_lines(b" a \r\n\nb", "standard input", "the input") == ["a", "", "b"]
+    assert text_lines(b"", "standard input", "the input") == []
+    with pytest.raises(DataError, match=r"^standard input: line 2 is not valid UTF-8; re-encode the input as UTF-8$"):
+        text_lines(b"ok\n\xff\n", "standard input", "the input")
 
 
 def _lengths(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
