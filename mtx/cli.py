@@ -128,10 +128,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser(
-        "plot", help="plot a run's learning curves", description="Write a PNG of losses, val BLEU and learning rate."
+        "plot",
+        help="plot learning curves of one run or several",
+        description="Write a PNG of losses, val BLEU and learning rate; several --run draw their curves together.",
     )
-    p.add_argument("--run", required=True, type=Path, help="run directory")
-    p.add_argument("--out", type=Path, help="output PNG (default: RUN/curves.png)")
+    p.add_argument("--run", required=True, type=Path, action="append", help="run directory (repeatable)")
+    p.add_argument("--out", type=Path, help="output PNG (default: RUN/curves.png; several runs: compare.png)")
+    p.add_argument("--x", choices=("step", "time"), default="step", help="x axis: update steps or minutes of training")
+
+    p = sub.add_parser(
+        "compare",
+        help="compare runs' val loss and BLEU at equal steps and equal training time",
+        description="Print, at each validation of the first run, its val loss and greedy val BLEU and each "
+        "other run's at the same step and at the same training time.",
+    )
+    p.add_argument("--run", required=True, type=Path, action="append", help="run directory (at least two)")
     return parser
 
 
@@ -304,9 +315,17 @@ def cmd_average(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from mtx.plot import plot_run
+    from mtx.plot import plot_runs
 
-    print(plot_run(args.run, args.out or args.run / "curves.png"))
+    default = args.run[0] / "curves.png" if len(args.run) == 1 else Path("compare.png")
+    print(plot_runs(args.run, args.out or default, args.x))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from mtx.plot import compare_runs
+
+    print("\n".join(compare_runs(args.run)))
     return 0
 
 
@@ -316,6 +335,7 @@ COMMANDS = {
     "eval": cmd_eval,
     "average": cmd_average,
     "plot": cmd_plot,
+    "compare": cmd_compare,
 }
 
 

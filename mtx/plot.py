@@ -1,15 +1,19 @@
-"""Learning curves of a run (`mtx plot`): losses, val BLEU and learning rate against steps.
+"""Learning curves of runs (`mtx plot`) and their comparison at equal steps and equal training
+time (`mtx compare`), from each run's `metrics.jsonl`.
 
-Needs matplotlib, the optional extra `mtx[plot]`.
+Plotting needs matplotlib, the optional extra `mtx[plot]`; comparing needs nothing.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from mtx.errors import MtxError
+
+X_AXES = ("step", "time")
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -26,8 +30,22 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return events
 
 
-def plot_run(run_dir: Path, out: Path) -> Path:
-    """Write a PNG with train/val loss, val BLEU and learning rate against update steps."""
+def _events(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train events, valid events) of a run; a run with neither is an error."""
+    events = read_metrics(run_dir)
+    train = [e for e in events if e.get("event") == "train"]
+    valid = [e for e in events if e.get("event") == "valid"]
+    if not train and not valid:
+        raise MtxError(f"{run_dir}/metrics.jsonl holds no train or valid events yet")
+    return train, valid
+
+
+def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
+    """Write a PNG with train/val loss, val BLEU and learning rate of each run against update
+    steps (`x="step"`) or minutes of training (`x="time"`, the loop's wall time, resumes
+    included: what `train.max_minutes` budgets)."""
+    if x not in X_AXES:
+        raise MtxError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}")
     try:
         import matplotlib
 
@@ -35,27 +53,66 @@ def plot_run(run_dir: Path, out: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise MtxError("mtx plot needs matplotlib: pip install 'mtx[plot]'") from None
-    events = read_metrics(run_dir)
-    train = [e for e in events if e.get("event") == "train"]
-    valid = [e for e in events if e.get("event") == "valid"]
-    if not train and not valid:
-        raise MtxError(f"{run_dir}/metrics.jsonl holds no train or valid events yet")
+    runs = [(run_dir, *_events(run_dir)) for run_dir in run_dirs]
+
+    def xs(events: list[dict[str, Any]]) -> list[float]:
+        return [e["step"] if x == "step" else e["elapsed_s"] / 60 for e in events]
 
     fig, (ax_loss, ax_bleu, ax_lr) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
-    ax_loss.plot([e["step"] for e in train], [e["loss"] for e in train], label="train loss (label-smoothed)")
-    ax_loss.plot([e["step"] for e in valid], [e["val_loss"] for e in valid], "o-", label="val loss")
+    for i, (run_dir, train, valid) in enumerate(runs):
+        color = f"C{i % 10}"
+        name = "" if len(runs) == 1 else f"{run_dir.name}: "
+        train_label = f"{name}train loss (label-smoothed)"
+        ax_loss.plot(xs(train), [e["loss"] for e in train], color=color, alpha=0.5, label=train_label)
+        ax_loss.plot(xs(valid), [e["val_loss"] for e in valid], "o-", color=color, ms=3, label=f"{name}val loss")
+        ax_bleu.plot(xs(valid), [e["val_bleu"] for e in valid], "o-", color=color, ms=3, label=run_dir.name)
+        ax_lr.plot(xs(train), [e["lr"] for e in train], color=color)
     ax_loss.set_ylabel("loss per target token")
-    ax_loss.legend()
-    ax_bleu.plot([e["step"] for e in valid], [e["val_bleu"] for e in valid], "o-", color="tab:green")
+    ax_loss.legend(fontsize="small")
     ax_bleu.set_ylabel("val BLEU (greedy)")
-    ax_lr.plot([e["step"] for e in train], [e["lr"] for e in train], color="tab:red")
+    if len(runs) > 1:
+        ax_bleu.legend(fontsize="small")
     ax_lr.set_ylabel("learning rate")
-    ax_lr.set_xlabel("update step")
+    ax_lr.set_xlabel("update step" if x == "step" else "minutes of training")
     for ax in (ax_loss, ax_bleu, ax_lr):
         ax.grid(alpha=0.3)
-    fig.suptitle(str(run_dir))
+    fig.suptitle(", ".join(str(r) for r in run_dirs))
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def compare_runs(run_dirs: Sequence[Path]) -> list[str]:
+    """A text table: at each validation of the first run, its val loss and greedy val BLEU, and
+    each other run's at the same step and at the same training time (its last validation at or
+    before that time). Comparing at equal time is what matters for a run with a time budget and
+    a change that makes steps dearer or cheaper."""
+    if len(run_dirs) < 2:
+        raise MtxError("mtx compare needs at least two runs (--run A --run B)")
+    valids = []
+    for run_dir in run_dirs:
+        valid = _events(run_dir)[1]
+        if not valid:
+            raise MtxError(f"{run_dir}/metrics.jsonl holds no validation yet")
+        valids.append(valid)
+    head = ["step", "min", run_dirs[0].name]
+    for run_dir in run_dirs[1:]:
+        head += [f"{run_dir.name} (same step)", "(same time: step)"]
+    rows = [head]
+
+    def cell(e: dict[str, Any] | None) -> str:
+        return "-" if e is None else f"{e['val_loss']:.3f} / {e['val_bleu']:.2f}"
+
+    for e in valids[0]:
+        row = [str(e["step"]), f"{e['elapsed_s'] / 60:.1f}", cell(e)]
+        for other in valids[1:]:
+            same_step = next((o for o in other if o["step"] == e["step"]), None)
+            earlier = [o for o in other if o["elapsed_s"] <= e["elapsed_s"]]
+            same_time = earlier[-1] if earlier else None
+            row += [cell(same_step), "-" if same_time is None else f"{cell(same_time)} ({same_time['step']})"]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    title = "val loss / greedy val BLEU at each validation of the first run; min: minutes of training"
+    return [title] + ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]

@@ -102,3 +102,36 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run
     assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
         f"choose_on_val: error: {run_copy / 'nowhere'}: run directory not found"
     ]
+
+
+def fake_run(path: Path, step_seconds: float, val_losses: list[float]) -> Path:
+    """A run directory holding only metrics.jsonl: a validation every 100 steps."""
+    path.mkdir()
+    events = []
+    for i, val_loss in enumerate(val_losses, 1):
+        step, elapsed = 100 * i, 100 * i * step_seconds
+        events.append({"event": "train", "step": step, "loss": val_loss + 1, "lr": 1e-3, "elapsed_s": elapsed})
+        valid = {"val_loss": val_loss, "val_bleu": 10.0 * i, "elapsed_s": elapsed}
+        events.append({"event": "valid", "step": step, **valid})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"event": "tra')
+    return path
+
+
+def test_compare_lines_runs_up_at_equal_steps_and_equal_time(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # the second run's steps take half as long: at the first run's step 200 (40 s) it has validated step 400
+    slow = fake_run(tmp_path / "slow", 0.2, [3.0, 2.0, 1.5])
+    fast = fake_run(tmp_path / "fast", 0.1, [3.5, 2.5, 2.2, 1.9, 1.8, 1.7])
+    assert main(["compare", "--run", str(slow), "--run", str(fast)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["100", "200", "300"]
+    # step, minutes, slow's loss / BLEU, fast's at the same step, fast's at the same time (its step)
+    assert rows[1] == ["200", "0.7", "2.000", "/", "20.00", "2.500", "/", "20.00", "1.900", "/", "40.00", "(400)"]
+    assert rows[2][-4:] == ["1.700", "/", "60.00", "(600)"]
+    assert main(["compare", "--run", str(slow)]) == 1  # one run: nothing to compare
+
+
+def test_plot_draws_several_runs_against_time(tmp_path: Path) -> None:
+    runs = [fake_run(tmp_path / name, 0.1, [3.0, 2.0]) for name in ("a", "b")]
+    out = tmp_path / "both.png"
+    assert main(["plot", "--run", str(runs[0]), "--run", str(runs[1]), "--x", "time", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
