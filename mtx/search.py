@@ -85,6 +85,20 @@ def top_candidates(
     return top, flat.gather(1, position)
 
 
+def _top_2k(scores: torch.Tensor, log_probs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top_candidates`, padded with -inf candidates (index 0) up to `n` where the groups hold
+    fewer (a first step's single row over a vocabulary smaller than `n`)."""
+    m, width, vocab = log_probs.shape
+    if width * vocab >= n:
+        return top_candidates(scores, log_probs, n)
+    top, index = (scores[:, :, None] + log_probs).view(m, width * vocab).sort(dim=1, descending=True)
+    pad = n - width * vocab
+    return (
+        torch.cat([top, top.new_full((m, pad), float("-inf"))], dim=1),
+        torch.cat([index, index.new_zeros(m, pad)], dim=1),
+    )
+
+
 def _drop_rows(keep: torch.Tensor, cache: KVCache | EnsembleCache | None, *tensors: torch.Tensor) -> list[torch.Tensor]:
     """Keep rows `keep` of every per-row tensor and of the cache (self and cross)."""
     if cache is not None:
@@ -191,21 +205,23 @@ def beam_search(
     # memory and src_mask keep one row per sentence: the decoder's cross-attention serves the K
     # beam rows of a sentence from it (rows g*K .. g*K+K-1 belong to sentence group g)
     cache = model.new_cache() if use_cache else None
-    sentences = list(range(n))  # original sentence of each running group of K rows
-    tokens = torch.full((n * k, 1), BOS, dtype=torch.long, device=device)
-    scores = torch.full((n, k), float("-inf"), device=device)
-    scores[:, 0] = 0.0
+    sentences = list(range(n))  # original sentence of each running group of `width` rows
+    # the first step has one row per sentence (its K beams would all be the same BOS prefix);
+    # its 2K best candidates fill the K beams, every later step has K rows per sentence
+    width = 1
+    tokens = torch.full((n, 1), BOS, dtype=torch.long, device=device)
+    scores = torch.zeros(n, 1, device=device)
     finished: list[list[Hypothesis]] = [[] for _ in range(n)]
     step = 0
     while sentences:
         step += 1
         m = len(sentences)
-        log_probs = _next_log_probs(model, tokens, memory, src_mask, cache)  # (m*K, V)
+        log_probs = _next_log_probs(model, tokens, memory, src_mask, cache)  # (m*width, V)
         vocab = log_probs.shape[-1]
-        forced = [g * k + j for g, sent in enumerate(sentences) if max_lens[sent] <= step for j in range(k)]
+        forced = [g * width + j for g, sent in enumerate(sentences) if max_lens[sent] <= step for j in range(width)]
         if forced:
             _force_eos(log_probs, forced, model.eos_column)
-        top_scores, top_index = top_candidates(scores, log_probs.view(m, k, vocab), 2 * k)  # (m, 2K), sorted
+        top_scores, top_index = _top_2k(scores, log_probs.view(m, width, vocab), 2 * k)  # (m, 2K), sorted
         top_beam = torch.div(top_index, vocab, rounding_mode="floor")
         top_token = model.output_tokens(top_index % vocab)
         is_eos = top_token == EOS
@@ -214,15 +230,16 @@ def beam_search(
         if eos_top.any():
             penalty = length_penalty(step, alpha)
             for i, j in eos_top.nonzero().tolist():
-                row = i * k + int(top_beam[i, j])
+                row = i * width + int(top_beam[i, j])
                 raw = float(top_scores[i, j])
                 finished[sentences[i]].append(Hypothesis(tokens[row, 1:].tolist(), raw / penalty, raw))
 
         # continue with the K best candidates that do not end here
         order = (is_eos.long() * (2 * k) + torch.arange(2 * k, device=device)).argsort(dim=1)[:, :k]
         scores = top_scores.gather(1, order)  # (m, K), still sorted
-        rows = (torch.arange(m, device=device)[:, None] * k + top_beam.gather(1, order)).view(-1)
+        rows = (torch.arange(m, device=device)[:, None] * width + top_beam.gather(1, order)).view(-1)
         tokens = torch.cat([tokens.index_select(0, rows), top_token.gather(1, order).view(-1, 1)], dim=1)
+        width = k
 
         best_alive = scores[:, 0].tolist()
         keep = []

@@ -48,6 +48,24 @@ def test_block_top_candidates_equal_a_full_topk(vocab: int) -> None:
     assert torch.equal(index[finite], want.indices[finite])
 
 
+@pytest.mark.parametrize("vocab", [8000, 70, 3])
+def test_first_step_ranks_one_row_as_k_rows_with_dead_beams(vocab: int) -> None:
+    """Beam search's first step decodes one row per sentence, not K equal ones: its 2K
+    candidates (padded with -inf ones when the vocabulary is smaller) are those that K rows, all
+    but the first dead, would give."""
+    torch.manual_seed(vocab)
+    m, k = 4, 5
+    log_probs = torch.randn(m, 1, vocab).log_softmax(dim=-1)
+    dead = torch.full((m, k), float("-inf"))
+    dead[:, 0] = 0.0
+    want_values, want_index = top_candidates(dead, log_probs.expand(m, k, vocab).contiguous(), 2 * k)
+    values, index = search._top_2k(torch.zeros(m, 1), log_probs, 2 * k)
+    assert torch.equal(values, want_values)
+    finite = torch.isfinite(want_values)
+    assert finite.sum() == m * min(2 * k, vocab)
+    assert torch.equal(index[finite], want_index[finite])  # beam 0: the same flat index
+
+
 def _batch(ids: list[list[int]]) -> torch.Tensor:
     return pad_ids(ids, suffix=EOS)
 
