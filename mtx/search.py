@@ -54,7 +54,9 @@ def _next_log_probs(
     the last token is fed; without one the whole prefix is recomputed."""
     feed = tokens[:, -1:] if cache is not None else tokens
     logits = model.decode(feed, memory, src_mask, cache)[:, -1].float()  # (N, V)
-    # in place: no second (N, V) buffer to write (beam 5 at d_model 256: 320 x 8,000 floats a step)
+    if logits.device.type != "cpu":
+        return torch.log_softmax(logits, dim=-1)
+    # on CPU in place: no second (N, V) buffer to write (beam 5 at d_model 256: 320 x 8,000 floats a step)
     return torch.log_softmax(logits, dim=-1, out=logits)
 
 
