@@ -9,10 +9,12 @@ softmax to the target pieces of train (`model.restrict_output`), the same weight
 computed over the whole vocabulary are timed beside it (cached greedy and beam 5; the other pieces
 at -inf, so the outputs stay the same), which measures what the restriction buys in decoding.
 Without `--run`, a run is trained first (tiny config unless `--config` is given; `--set`
-overrides apply to it). The last line is JSON for scripts.
+overrides apply to it). `--rounds N` makes N such passes over the split and reports seconds per
+pass (one pass of a 2-core machine shared with others moved the beam/greedy ratio by 0.5 between
+two runs); the JSON lists the ratio of each pass. The last line is JSON for scripts.
 
     python scripts/bench_decode.py [--run runs/NAME] [--config FILE] [--set KEY=VALUE ...]
-        [--threads 2] [--batch-sentences 64] [--sentences 1000] [--no-length-cap]
+        [--threads 2] [--batch-sentences 64] [--sentences 1000] [--no-length-cap] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -124,7 +126,12 @@ def main() -> None:
     parser.add_argument("--batch-sentences", type=int, default=64)
     parser.add_argument("--sentences", type=int, default=0, help="first N sentences only (0: all)")
     parser.add_argument("--no-length-cap", action="store_true", help="max output length 1.5*src+10 (a=1.5)")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="passes over the split, each alternating the settings (times summed)"
+    )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
     torch.set_num_threads(args.threads)
     run_dir = args.run
@@ -152,22 +159,27 @@ def main() -> None:
         decode_tokens(whole, batches[0], 5, a, b, alpha)  # warm up
     decode_tokens(run.model, batches[0], 5, a, b, alpha)  # warm up
     group = decode_workers(0, torch.device("cpu"))  # batches per turn: one each for the default's threads
-    seconds = dict.fromkeys(settings, 0.0)
+    rounds: list[dict[str, float]] = []  # seconds of each setting, per pass over the split
     out_tokens = dict.fromkeys(settings, 0)
     outputs: dict[str, list[list[int]]] = {name: [] for name in settings}
-    for first in range(0, len(batches), group):
-        turn = batches[first : first + group]
-        for name, (model, beam, cache, workers) in settings.items():
-            start = time.perf_counter()
-            hyps = decode_all(model, turn, beam, a, b, alpha, cache, workers)
-            seconds[name] += time.perf_counter() - start
-            out_tokens[name] += sum(len(h) + 1 for h in hyps)  # + EOS
-            outputs[name] += hyps
+    for r in range(args.rounds):
+        rounds.append(dict.fromkeys(settings, 0.0))
+        for first in range(0, len(batches), group):
+            turn = batches[first : first + group]
+            for name, (model, beam, cache, workers) in settings.items():
+                start = time.perf_counter()
+                hyps = decode_all(model, turn, beam, a, b, alpha, cache, workers)
+                rounds[-1][name] += time.perf_counter() - start
+                if r == 0:  # every pass decodes the same outputs (the tests check it for one)
+                    out_tokens[name] += sum(len(h) + 1 for h in hyps)  # + EOS
+                    outputs[name] += hyps
+    seconds = {name: sum(t[name] for t in rounds) / len(rounds) for name in settings}  # per pass
 
     print(f"{run_dir}: {cfg.model.d_model}d {cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers} layers, ", end="")
     print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences), {args.threads} threads ", end="")
     print(f"({group} decoding threads by default), ", end="")
-    print(f"batches of {args.batch_sentences} sentences, max length {a}*src+{b}")
+    print(f"batches of {args.batch_sentences} sentences, max length {a}*src+{b}; ", end="")
+    print(f"seconds per pass, {args.rounds} pass(es)")
     print(f"{'setting':20s} {'sent/s':>8s} {'out tok/s':>10s} {'mean len':>9s} {'seconds':>8s}")
     for name in settings:
         print(
@@ -204,6 +216,7 @@ def main() -> None:
                 "beam5_cache_speedup": round(seconds["beam 5, no cache"] / seconds["beam 5, 1 worker"], 3),
                 "greedy_cache_speedup": round(seconds["greedy, no cache"] / seconds["greedy, 1 worker"], 3),
                 "beam5_slowdown_vs_greedy": round(seconds["beam 5"] / seconds["greedy"], 3),
+                "beam5_slowdown_vs_greedy_per_round": [round(t["beam 5"] / t["greedy"], 3) for t in rounds],
                 "cached_equals_uncached": same,
                 "restricted_output_speedup": restricted or None,
                 "restricted_output_identical": identical or None,

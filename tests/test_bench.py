@@ -15,8 +15,8 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode.py"
 TRAIN_SCRIPT = SCRIPT.with_name("bench_train.py")
 
 
-def _bench(run: Path) -> tuple[list[str], dict]:
-    args = [sys.executable, str(SCRIPT), "--run", str(run), "--sentences", "24", "--batch-sentences", "8"]
+def _bench(run: Path, *extra: str) -> tuple[list[str], dict]:
+    args = [sys.executable, str(SCRIPT), "--run", str(run), "--sentences", "24", "--batch-sentences", "8", *extra]
     lines = subprocess.run(args, capture_output=True, text=True, check=True).stdout.splitlines()
     return lines, json.loads(lines[-1])
 
@@ -34,8 +34,10 @@ def test_bench_decode_times_the_whole_vocabulary_beside_a_restricted_softmax(tin
 
 
 def test_bench_decode_adds_no_whole_vocabulary_rows_to_a_whole_vocabulary_run(tiny_run: Path) -> None:
-    lines, result = _bench(tiny_run)
+    lines, result = _bench(tiny_run, "--rounds", "2")
     assert result["cached_equals_uncached"] == {"greedy": True, "beam5": True}
+    assert len(result["beam5_slowdown_vs_greedy_per_round"]) == 2
+    assert "2 pass(es)" in lines[0]
     assert result["restricted_output_speedup"] is None and result["restricted_output_identical"] is None
     assert not any("whole vocab" in line for line in lines)
 
