@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--sentences", type=int, default=0, help="first N sentences only (0: all)")
     parser.add_argument("--no-length-cap", action="store_true", help="max output length 1.5*src+10 (a=1.5)")
     parser.add_argument(
-        "--rounds", type=int, default=1, help="passes over the split, each alternating the settings (times summed)"
+        "--rounds", type=int, default=1, help="passes over the split, each alternating the settings (seconds per pass)"
     )
     args = parser.parse_args()
     if args.rounds < 1:
@@ -170,7 +170,7 @@ def main() -> None:
                 start = time.perf_counter()
                 hyps = decode_all(model, turn, beam, a, b, alpha, cache, workers)
                 rounds[-1][name] += time.perf_counter() - start
-                if r == 0:  # every pass decodes the same outputs (the tests check it for one)
+                if r == 0:  # decoding is deterministic: the first pass's outputs stand for all
                     out_tokens[name] += sum(len(h) + 1 for h in hyps)  # + EOS
                     outputs[name] += hyps
     seconds = {name: sum(t[name] for t in rounds) / len(rounds) for name in settings}  # per pass
