@@ -223,9 +223,9 @@ class Attention(nn.Module):
             if cache is not None:
                 prefix = cache.self_kv[layer] is not None
                 k, v = cache.extend(layer, k, v)
-                if prefix and is_causal and length > 1:  # several new queries after a prefix: bottom-right mask
-                    mask, is_causal = _causal_mask(length, k.shape[2], x.device), False
-                elif prefix:
+                if prefix:  # the queries follow cached positions: no plain causal flag
+                    if is_causal and length > 1:  # several new queries: explicit bottom-right mask
+                        mask = _causal_mask(length, k.shape[2], x.device)
                     is_causal = False
         # explicit products + softmax beat SDPA's kernels for one decoding step (2-3x) and, on CPU,
         # for the short sequences of sentence-level MT, forward and backward (1.2-2x up to 40 keys)

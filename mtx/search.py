@@ -69,11 +69,18 @@ def top_candidates(
     Cheaper than that topk: each block of `block` tokens is summarised by its maximum (a fast
     vectorised reduction), and only the elements of the `n` best blocks are ranked; any element
     of the top n lies in one of them, since each better block holds at least one better element.
+    Groups of fewer than `n` elements (beam search's first step: one row over a tiny vocabulary)
+    are padded with -inf candidates of index 0.
     """
     m, k, vocab = log_probs.shape
     n_blocks = vocab // block
     if k * n_blocks < n:  # tiny vocabulary: rank everything
-        return (scores[:, :, None] + log_probs).view(m, k * vocab).topk(n, dim=1)
+        top, index = (scores[:, :, None] + log_probs).view(m, k * vocab).topk(min(n, k * vocab), dim=1)
+        pad = n - top.shape[1]
+        if pad:
+            top = torch.cat([top, top.new_full((m, pad), float("-inf"))], dim=1)
+            index = torch.cat([index, index.new_zeros(m, pad)], dim=1)
+        return top, index
     maxima = log_probs[..., : n_blocks * block].view(m, k, n_blocks, block).amax(dim=-1)
     if n_blocks * block < vocab:  # a shorter last block
         maxima = torch.cat([maxima, log_probs[..., n_blocks * block :].amax(dim=-1, keepdim=True)], dim=-1)
@@ -86,20 +93,6 @@ def top_candidates(
     values = values.masked_fill(column >= vocab, float("-inf")).view(m, n * block)
     top, position = values.topk(n, dim=1)
     return top, flat.gather(1, position)
-
-
-def _top_2k(scores: torch.Tensor, log_probs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`top_candidates`, padded with -inf candidates (index 0) up to `n` where the groups hold
-    fewer (a first step's single row over a vocabulary smaller than `n`)."""
-    m, width, vocab = log_probs.shape
-    if width * vocab >= n:
-        return top_candidates(scores, log_probs, n)
-    top, index = (scores[:, :, None] + log_probs).view(m, width * vocab).sort(dim=1, descending=True)
-    pad = n - width * vocab
-    return (
-        torch.cat([top, top.new_full((m, pad), float("-inf"))], dim=1),
-        torch.cat([index, index.new_zeros(m, pad)], dim=1),
-    )
 
 
 def _drop_rows(keep: torch.Tensor, cache: KVCache | EnsembleCache | None, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -224,7 +217,7 @@ def beam_search(
         forced = [g * width + j for g, sent in enumerate(sentences) if max_lens[sent] <= step for j in range(width)]
         if forced:
             _force_eos(log_probs, forced, model.eos_column)
-        top_scores, top_index = _top_2k(scores, log_probs.view(m, width, vocab), 2 * k)  # (m, 2K), sorted
+        top_scores, top_index = top_candidates(scores, log_probs.view(m, width, vocab), 2 * k)  # (m, 2K), sorted
         top_beam = torch.div(top_index, vocab, rounding_mode="floor")
         top_token = model.output_tokens(top_index % vocab)
         is_eos = top_token == EOS

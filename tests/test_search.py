@@ -59,7 +59,7 @@ def test_first_step_ranks_one_row_as_k_rows_with_dead_beams(vocab: int) -> None:
     dead = torch.full((m, k), float("-inf"))
     dead[:, 0] = 0.0
     want_values, want_index = top_candidates(dead, log_probs.expand(m, k, vocab).contiguous(), 2 * k)
-    values, index = search._top_2k(torch.zeros(m, 1), log_probs, 2 * k)
+    values, index = top_candidates(torch.zeros(m, 1), log_probs, 2 * k)
     assert torch.equal(values, want_values)
     finite = torch.isfinite(want_values)
     assert finite.sum() == m * min(2 * k, vocab)
