@@ -77,6 +77,8 @@ class TrainConfig:
     optimizer: str = "adam"  # adam (weight decay added to the gradient) | adamw (decoupled decay, Loshchilov & Hutter)
     weight_decay: float = 0.0  # adamw: matrices and embeddings only, not biases or norm gains
     label_smoothing: float = 0.1
+    dropout_warmup: int = 0  # steps over which model.dropout ramps up linearly from dropout_start; 0: constant
+    dropout_start: float = 0.0  # the dropout rate at step 1 when dropout_warmup > 0
     rdrop: float = 0.0  # R-Drop: weight of the symmetric KL between two dropout passes of each batch; 0: off
     clip_norm: float = 1.0  # 0: no clipping
     amp: str = "auto"  # auto | bf16 | fp16 | fp32
@@ -145,6 +147,7 @@ _NON_NEGATIVE = {
     "train.warmup_steps",
     "train.weight_decay",
     "train.rdrop",
+    "train.dropout_warmup",
     "train.clip_norm",
     "train.threads",
     "train.eval_sentences",
@@ -161,6 +164,7 @@ _UNIT_INTERVAL = {
     "model.attention_dropout",
     "train.label_smoothing",
     "train.ema",
+    "train.dropout_start",
 }
 
 
@@ -310,6 +314,10 @@ def validate(cfg: Config, where: str = "config") -> None:
         raise ConfigError(
             f"{where}: train.rdrop needs model.dropout or model.attention_dropout above 0 (without dropout "
             "its two passes are the same and it only doubles the cost of a step)"
+        )
+    if cfg.train.dropout_warmup and cfg.train.compile:
+        raise ConfigError(
+            f"{where}: train.dropout_warmup needs train.compile: false (each new dropout rate recompiles the model)"
         )
     if cfg.data.max_len + 2 > m.max_positions:
         raise ConfigError(

@@ -46,7 +46,7 @@ from mtx.data import (
 )
 from mtx.errors import CheckpointError, Interrupted, MtxError
 from mtx.evaluate import corpus_scores
-from mtx.model import Seq2Seq, make_src_mask
+from mtx.model import Dropout, Seq2Seq, make_src_mask
 from mtx.search import translate
 from mtx.tokenizer import BPE, PAD, load_run_tokenizers, tokenizer_paths, train_or_load
 
@@ -185,6 +185,23 @@ def learning_rate(step: int, cfg: TrainConfig, d_model: int, elapsed: float = 0.
     if cfg.schedule == "noam":
         return cfg.lr * d_model**-0.5 * warmup**-0.5 * factor
     return cfg.lr * factor
+
+
+def dropout_rate(step: int, cfg: TrainConfig, final: float) -> float:
+    """model.dropout (`final`) for (1-based) update `step`: with train.dropout_warmup it rises
+    linearly from train.dropout_start at step 1 to `final` at step dropout_warmup, then stays.
+    Rounded to 1e-4 so that runs and resumes set the same rates."""
+    if not cfg.dropout_warmup or step >= cfg.dropout_warmup:
+        return final
+    frac = (max(step, 1) - 1) / max(cfg.dropout_warmup - 1, 1)
+    return round(cfg.dropout_start + (final - cfg.dropout_start) * frac, 4)
+
+
+def set_dropout(model: torch.nn.Module, p: float) -> None:
+    """Set the rate of every residual/embedding/FFN dropout (model.dropout) in `model`."""
+    for module in model.modules():
+        if isinstance(module, Dropout):
+            module.p = p
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -849,6 +866,8 @@ class Trainer:
         tc = self.cfg.train
         world = self.ranks.world_size
         self.model.train()
+        if tc.dropout_warmup:
+            set_dropout(self.model, dropout_rate(self.state.step + 1, tc, self.cfg.model.dropout))
         n_tokens = self._sum_over_ranks([sum(b.n_tgt_tokens for b in group)])[0]
         tokens_per_rank = n_tokens / world
         total = 0.0

@@ -52,6 +52,8 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("train:\n  ema: 1.0\n", r"train.ema must be in \[0, 1\)"),
         ("train:\n  rdrop: -1\n", r"train.rdrop must be >= 0"),
         ("model:\n  dropout: 0\ntrain:\n  rdrop: 5\n", "train.rdrop needs model.dropout or model.attention_dropout"),
+        ("train:\n  dropout_start: 2\n", r"train.dropout_start must be in \[0, 1\)"),
+        ("train:\n  dropout_warmup: 100\n  compile: true\n", "train.dropout_warmup needs train.compile: false"),
         ("train:\n  amp: fp8\n", "train.amp must be one of"),
         ("train: [1, 2]\n", "section train must be a mapping"),
         ("- a\n- b\n", "top level must be a mapping"),

@@ -17,10 +17,12 @@ from mtx.train import (
     ProjectedSmoothedCrossEntropy,
     SmoothedCrossEntropy,
     _rdrop_of_logits,
+    dropout_rate,
     label_smoothed_loss,
     learning_rate,
     make_optimizer,
     rdrop_loss,
+    set_dropout,
 )
 
 from .conftest import tiny_args
@@ -46,6 +48,19 @@ def test_linear_schedule_reaches_zero_at_the_end_of_steps_or_minutes() -> None:
     assert learning_rate(200, timed, 256, elapsed=0.0) == pytest.approx(8e-4)  # steps used up faster
     assert learning_rate(200, timed, 256, elapsed=450.0) == pytest.approx(2.5e-4)  # 3/4 of the minutes used
     assert learning_rate(200, timed, 256, elapsed=900.0) == 0.0  # past the budget: never negative
+
+
+def test_dropout_ramps_from_start_to_model_dropout_then_stays() -> None:
+    ramp = TrainConfig(dropout_warmup=101, dropout_start=0.1)
+    rates = [dropout_rate(s, ramp, 0.3) for s in (1, 51, 101, 5000)]
+    assert rates == [pytest.approx(0.1), pytest.approx(0.2), 0.3, 0.3]
+    assert dropout_rate(1, TrainConfig(), 0.3) == 0.3  # no warmup: constant
+    model = Seq2Seq(
+        ModelConfig(d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1), 50, 50, joint_vocab=True
+    )
+    set_dropout(model, 0.17)
+    rates_in_model = {m.p for m in model.modules() if type(m).__name__ == "Dropout"}
+    assert rates_in_model == {0.17}  # embeddings, residual branches and FFNs all follow
 
 
 def test_adamw_decays_matrices_only_and_apart_from_the_gradient() -> None:
