@@ -60,6 +60,12 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
         help="threads decoding batches side by side, sharing --threads (default: decode.workers; 0: auto)",
     )
     p.add_argument("--no-cache", action="store_true", help="recompute the decoder over the whole prefix each step")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        help="decode with the weights in this type (default: decode.precision); bf16 pays on CPUs with "
+        "native bf16 (AVX-512 BF16, AMX) and on GPUs",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,7 +203,10 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, import
         raise MtxError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    return load_run(args.run, args.checkpoint, pick_device(args.device))
+    run = load_run(args.run, args.checkpoint, pick_device(args.device))
+    if (args.precision or run.cfg.decode.precision) == "bf16":
+        run.model.to(torch.bfloat16)  # log-probabilities and scores stay float32 (search.py)
+    return run
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
@@ -284,6 +293,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "split": name,
         "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}",
         "beam": beam,
+        "precision": args.precision or cfg.decode.precision,
         "sentences": len(src),
         **scores.as_dict(),
         "hypotheses": str(output),
@@ -295,7 +305,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{name} {result['direction']} beam {beam} ({len(src)} sentences, {', '.join(map(str, run.checkpoints))})")
+    print(
+        f"{name} {result['direction']} beam {beam}, {result['precision']} "
+        f"({len(src)} sentences, {', '.join(map(str, run.checkpoints))})"
+    )
     print(f"BLEU {scores.bleu:6.2f}  {scores.bleu_signature}")
     if args.lowercase:
         print(f"BLEU {result['bleu_lowercase']:6.2f}  {result['bleu_lowercase_signature']}  (lowercased)")

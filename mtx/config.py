@@ -105,6 +105,7 @@ class DecodeConfig:
     max_len_b: int = 10
     batch_tokens: int = 4000  # decode batch budget in source tokens
     workers: int = 0  # threads decoding batches side by side, sharing torch's; 0: auto (2 on CPU with 2+ threads)
+    precision: str = "fp32"  # fp32 | bf16: the weights' type in translate/eval (validation decodes in fp32)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class Config:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "train.schedule": ("inverse_sqrt", "noam", "constant", "linear"),
     "train.amp": ("auto", "bf16", "fp16", "fp32"),
+    "decode.precision": ("fp32", "bf16"),
     "train.optimizer": ("adam", "adamw"),
 }
 _POSITIVE = {

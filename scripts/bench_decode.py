@@ -8,6 +8,8 @@ batch at a time with all the threads, as mtx did before. When the run's model re
 softmax to the target pieces of train (`model.restrict_output`), the same weights with the softmax
 computed over the whole vocabulary are timed beside it (cached greedy and beam 5; the other pieces
 at -inf, so the outputs stay the same), which measures what the restriction buys in decoding.
+On a CPU with native bf16 (AVX-512 BF16, AMX), the same weights cast to bf16 (`--precision bf16`)
+are timed beside them too (cached greedy and beam 5).
 Without `--run`, a run is trained first (tiny config unless `--config` is given; `--set`
 overrides apply to it). `--rounds N` makes N such passes over the split and reports seconds per
 pass (one pass of a 2-core machine shared with others moved the beam/greedy ratio by 0.5 between
@@ -20,6 +22,7 @@ two runs); the JSON lists the ratio of each pass. The last line is JSON for scri
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import sys
@@ -46,6 +49,7 @@ SETTINGS = {
     "beam 5, 1 worker": (5, True, 1),
     "beam 5, no cache": (5, False, 1),
 }
+BF16 = {"greedy, bf16": 1, "beam 5, bf16": 5}  # cached, default workers; CPUs with native bf16 only
 WHOLE_VOCAB = {"greedy, whole vocab": 1, "beam 5, whole vocab": 5}  # cached, default workers; restricted runs only
 
 
@@ -153,6 +157,11 @@ def main() -> None:
 
     # name -> (model, beam, cache, workers)
     settings = {name: (run.model, *setting) for name, setting in SETTINGS.items()}
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if native_bf16:  # `--precision bf16`: the same weights cast to bf16 (emulated, so not timed, elsewhere)
+        half = copy.deepcopy(run.model).to(torch.bfloat16)
+        settings |= {name: (half, beam, True, 0) for name, beam in BF16.items()}
+        decode_tokens(half, batches[0], 5, a, b, alpha)  # warm up
     if run.model.output_ids is not None:
         whole = WholeVocabulary(run)
         settings |= {name: (whole, beam, True, 0) for name, beam in WHOLE_VOCAB.items()}
@@ -191,6 +200,15 @@ def main() -> None:
         "beam5": outputs["beam 5"] == outputs["beam 5, no cache"] == outputs["beam 5, 1 worker"],
     }
     print(f"cached == uncached == 1-worker outputs: greedy {same['greedy']}, beam 5 {same['beam5']}")
+    bf16: dict[str, float] = {}
+    if native_bf16:
+        for key, fp32, half_name in (("greedy", "greedy", "greedy, bf16"), ("beam5", "beam 5", "beam 5, bf16")):
+            bf16[f"{key}_tok_per_s"] = round(out_tokens[half_name] / seconds[half_name], 1)
+            bf16[f"{key}_speedup"] = round(seconds[fp32] / seconds[half_name], 3)
+            agree = sum(x == y for x, y in zip(outputs[fp32], outputs[half_name], strict=True))
+            bf16[f"{key}_identical"] = round(agree / n, 4)
+            print(f"bf16 weights, {key}: {bf16[f'{key}_speedup']:.3f}x fp32, outputs identical for {agree} of {n}")
+        bf16["beam5_slowdown_vs_greedy"] = round(seconds["beam 5, bf16"] / seconds["greedy, bf16"], 3)
     restricted: dict[str, float] = {}
     identical: dict[str, float] = {}
     if run.model.output_ids is not None:
@@ -218,6 +236,7 @@ def main() -> None:
                 "beam5_slowdown_vs_greedy": round(seconds["beam 5"] / seconds["greedy"], 3),
                 "beam5_slowdown_vs_greedy_per_round": [round(t["beam 5"] / t["greedy"], 3) for t in rounds],
                 "cached_equals_uncached": same,
+                "bf16": bf16 or None,  # --precision bf16, where the CPU has native bf16
                 "restricted_output_speedup": restricted or None,
                 "restricted_output_identical": identical or None,
             }

@@ -1,6 +1,8 @@
 """The benchmarks' own claims: for decoding, the same outputs with and without the cache, and the
-whole-vocabulary rows it adds for a run with a restricted softmax; for training, a matrix-product
-bound no lower than the speed-up it measured."""
+whole-vocabulary rows it adds for a run with a restricted softmax and the bf16 rows where the CPU
+has native bf16; for training, a matrix-product
+bound no lower than the speed-up it measured, and bf16 rows for both models where the CPU has
+native bf16."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 from .conftest import TINY_CONFIG
 
@@ -40,6 +44,12 @@ def test_bench_decode_adds_no_whole_vocabulary_rows_to_a_whole_vocabulary_run(ti
     assert "2 pass(es)" in lines[0]
     assert result["restricted_output_speedup"] is None and result["restricted_output_identical"] is None
     assert not any("whole vocab" in line for line in lines)
+    # bf16 rows (--precision bf16) exactly where the CPU has native bf16
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert result["bf16"]["greedy_tok_per_s"] > 0 and result["bf16"]["beam5_slowdown_vs_greedy"] > 0
+        assert any(line.startswith("beam 5, bf16") for line in lines)
+    else:
+        assert result["bf16"] is None and not any("bf16" in line for line in lines)
 
 
 def test_bench_train_bounds_the_speedup_by_the_matrix_products(small_data: Path) -> None:
@@ -52,3 +62,8 @@ def test_bench_train_bounds_the_speedup_by_the_matrix_products(small_data: Path)
     measured = result["mtx_fp32_tgt_tok_per_s"] / result["reference_tgt_tok_per_s"]
     assert result["gemm_bound_vs_reference"] > measured > 0.0
     assert "with every other op free" in out
+    # bf16 rows, the reference's among them, exactly where the CPU has native bf16
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    for key in ("reference_bf16_tgt_tok_per_s", "speedup_vs_reference_bf16"):
+        assert (result[key] is not None) == native_bf16
+        assert result[key] is None or result[key] > 0.0

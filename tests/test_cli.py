@@ -104,6 +104,18 @@ def test_translate_errors_on_a_finished_run(tiny_run: Path) -> None:
     assert_one_line_error(mtx("eval", "--run", str(tiny_run), "--split", "nosuch"), "nosuch")
 
 
+def test_eval_and_translate_in_bf16(tiny_run: Path, tmp_path: Path) -> None:
+    """--precision bf16 decodes with the weights cast to bf16 and says so; a bad value is refused."""
+    r = mtx("eval", "--run", str(tiny_run), "--precision", "bf16", "--json", "--output", str(tmp_path / "h.en"))
+    assert r.returncode == 0, r.stderr.decode()
+    result = json.loads(r.stdout)
+    assert result["precision"] == "bf16" and result["sentences"] == 100 and result["bleu"] >= 0.0
+    r = mtx("translate", "--run", str(tiny_run), "--precision", "bf16", "--beam", "2", "Ein Mann.")
+    assert r.returncode == 0 and len(r.stdout.decode().splitlines()) == 1
+    r = mtx("translate", "--run", str(tiny_run), "--precision", "fp16", "x")
+    assert r.returncode == 2 and "--precision" in r.stderr.decode()
+
+
 def test_eval_decodes_an_ensemble_of_checkpoints(tiny_run: Path, tiny_restricted_run: Path, tmp_path: Path) -> None:
     """Two --checkpoint flags decode as one ensemble; a member trained otherwise is a one-line error."""
     ckpts = tiny_run / "checkpoints"
