@@ -1,8 +1,7 @@
-"""The benchmarks' own claims: for decoding, the same outputs with and without the cache, and the
+"""The benchmarks' own claims: for decoding, the same outputs with and without the cache, the
 whole-vocabulary rows it adds for a run with a restricted softmax and the bf16 rows where the CPU
-has native bf16; for training, a matrix-product
-bound no lower than the speed-up it measured, and bf16 rows for both models where the CPU has
-native bf16."""
+has native bf16; for training, a matrix-product bound no lower than the speed-up it measured, and
+bf16 rows for both models where the CPU has native bf16."""
 
 from __future__ import annotations
 
