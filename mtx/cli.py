@@ -10,9 +10,13 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mtx import __version__
 from mtx.errors import MtxError
+
+if TYPE_CHECKING:
+    from mtx.config import Config
 
 log = logging.getLogger("mtx")
 
@@ -193,6 +197,11 @@ def _decode_settings(args: argparse.Namespace, cfg_decode: object) -> tuple[int,
     return beam, alpha, batch_tokens, workers
 
 
+def _precision(args: argparse.Namespace, cfg: Config) -> str:
+    """The decoding precision: --precision, else the run's decode.precision."""
+    return args.precision or cfg.decode.precision
+
+
 def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, imported lazily
     import torch
 
@@ -204,7 +213,7 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, import
     if args.threads:
         torch.set_num_threads(args.threads)
     run = load_run(args.run, args.checkpoint, pick_device(args.device))
-    if (args.precision or run.cfg.decode.precision) == "bf16":
+    if _precision(args, run.cfg) == "bf16":
         run.model.to(torch.bfloat16)  # log-probabilities and scores stay float32 (search.py)
     return run
 
@@ -293,7 +302,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "split": name,
         "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}",
         "beam": beam,
-        "precision": args.precision or cfg.decode.precision,
+        "precision": _precision(args, cfg),
         "sentences": len(src),
         **scores.as_dict(),
         "hypotheses": str(output),

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from mtx.cli import main
 from mtx.config import ModelConfig, TrainConfig
 from mtx.data import Batch
-from mtx.model import Seq2Seq, dropout
+from mtx.model import Dropout, Seq2Seq, dropout
 from mtx.train import (
     MovingAverage,
     ProjectedRDropLoss,
@@ -59,7 +59,7 @@ def test_dropout_ramps_from_start_to_model_dropout_then_stays() -> None:
         ModelConfig(d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1), 50, 50, joint_vocab=True
     )
     set_dropout(model, 0.17)
-    rates_in_model = {m.p for m in model.modules() if type(m).__name__ == "Dropout"}
+    rates_in_model = {m.p for m in model.modules() if isinstance(m, Dropout)}
     assert rates_in_model == {0.17}  # embeddings, residual branches and FFNs all follow
 
 
