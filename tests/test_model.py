@@ -73,6 +73,28 @@ def test_cached_and_uncached_decoder_logits_agree(pre_norm: bool) -> None:
     assert torch.allclose(torch.cat([first, rest], dim=1), full, atol=1e-5)
 
 
+def test_bf16_decoding_attends_in_float32() -> None:
+    """A model cast to bf16 decodes with the cache in float32 keys/values (the attention products
+    of a decoding step run in float32 on CPU), and its cached step-by-step logits stay within
+    bf16 rounding of the float32 model's, as the uncached bf16 ones do."""
+    model = _model()
+    half = _model().to(torch.bfloat16)
+    src = _src()
+    tgt = torch.tensor([[BOS, 20, 21, 22, 23], [BOS, 24, 25, 26, 27]])
+    mask = make_src_mask(src)
+    want = model.decode(tgt, model.encode(src, mask), mask)
+    memory = half.encode(src, mask)
+    cache = half.new_cache()
+    steps = torch.cat([half.decode(tgt[:, t : t + 1], memory, mask, cache) for t in range(tgt.shape[1])], dim=1)
+    assert steps.dtype == torch.bfloat16
+    for kv in (*cache.self_kv, *cache.cross_kv):
+        assert kv is not None and all(t.dtype == torch.float32 for t in kv)
+    uncached = half.decode(tgt, memory, mask)
+    scale = want.abs().max()
+    assert (steps.float() - want).abs().max() < 0.05 * scale
+    assert (uncached.float() - want).abs().max() < 0.05 * scale
+
+
 @pytest.mark.parametrize("inference", [True, False])
 def test_cache_follows_reorders_and_drops(inference: bool) -> None:
     """Rows reordered, repeated and dropped between steps as in beam search (sometimes twice
