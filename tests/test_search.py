@@ -48,6 +48,20 @@ def test_block_top_candidates_equal_a_full_topk(vocab: int) -> None:
     assert torch.equal(index[finite], want.indices[finite])
 
 
+@pytest.mark.parametrize("vocab", [8000, 8003, 130, 70, 12])
+def test_row_max_equals_max_with_the_first_index_on_ties(vocab: int) -> None:
+    torch.manual_seed(vocab)
+    values = torch.randn(9, vocab).round(decimals=1)  # many ties
+    values[0, : vocab - 2] = float("-inf")  # a row forced to end: its best in the last block
+    values[1, :] = 0.0  # all tied: the first column
+    values[2, -1] = 100.0  # the best in a short last block
+    want = values.max(dim=1)
+    best, column = search.row_max(values)
+    assert torch.equal(best, want.values)
+    assert torch.equal(column, values.argmax(dim=1))
+    assert int(column[1]) == 0 and int(column[2]) == vocab - 1
+
+
 @pytest.mark.parametrize("vocab", [8000, 70, 3])
 def test_first_step_ranks_one_row_as_k_rows_with_dead_beams(vocab: int) -> None:
     """Beam search's first step decodes one row per sentence, not K equal ones: its 2K
