@@ -206,12 +206,13 @@ class Attention(nn.Module):
         layer: int = 0,
     ) -> torch.Tensor:
         length = x.shape[1]
-        # decoding with bf16/fp16 weights on CPU: the attention products run in float32 and the
-        # cache holds float32 keys/values (CPU's 16-bit batched products of a decoding step's
-        # small shapes are ~3x slower than float32's: 140 against 44 us for 64 x 4 heads x 20 keys)
-        upcast = cache is not None and x.device.type == "cpu" and x.dtype != torch.float32
-        attn_dtype = torch.float32 if upcast else x.dtype
         if self.cross:
+            # decoding with bf16/fp16 weights on CPU: cross-attention runs in float32 over cached
+            # float32 keys/values (CPU's 16-bit batched products of a decoding step's small shapes
+            # are ~3x slower: 140 against 44 us for 64 rows x 4 heads x 20 keys). Self-attention
+            # stays 16-bit: its cache is copied at every beam step, twice the bytes in float32.
+            upcast = cache is not None and x.device.type == "cpu" and x.dtype != torch.float32
+            attn_dtype = torch.float32 if upcast else x.dtype
             (q,) = self._heads(self.q_proj(x).to(attn_dtype), 1)
             kv = cache.cross_kv[layer] if cache is not None else None
             if kv is None:
@@ -224,7 +225,7 @@ class Attention(nn.Module):
             if group > 1:  # beam search: the `group` beams of a sentence share its memory
                 return self._merge_heads(_grouped_attention(q, k, v, mask, group), x)
         else:
-            q, k, v = self._heads(self.qkv_proj(x).to(attn_dtype), 3)  # (B, H, L, Dh) each
+            q, k, v = self._heads(self.qkv_proj(x), 3)  # (B, H, L, Dh) each
             if cache is not None:
                 prefix = cache.self_kv[layer] is not None
                 k, v = cache.extend(layer, k, v)
