@@ -94,7 +94,10 @@ class KVCache:
     keys/values are computed from the memory once and then reused. In beam search the K beams
     of a sentence are K self-attention rows but share one row of cross-attention keys/values."""
 
-    def __init__(self, n_layers: int) -> None:
+    def __init__(self, n_layers: int, float32_self: bool = False) -> None:
+        """`float32_self`: with 16-bit weights on CPU, self-attention in float32 too (see
+        `Attention.forward`), for searches that do not reorder the cache at every step."""
+        self.float32_self = float32_self
         self.self_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.cross_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         # rows of self_kv[i] still to select (`reorder`), applied in the copy that appends (`extend`)
@@ -210,7 +213,8 @@ class Attention(nn.Module):
             # decoding with bf16/fp16 weights on CPU: cross-attention runs in float32 over cached
             # float32 keys/values (CPU's 16-bit batched products of a decoding step's small shapes
             # are ~3x slower: 140 against 44 us for 64 rows x 4 heads x 20 keys). Self-attention
-            # stays 16-bit: its cache is copied at every beam step, twice the bytes in float32.
+            # too where the cache asks (greedy); beam search copies its self-attention cache at
+            # every step, twice the bytes in float32 (5% slower), so there it stays 16-bit.
             upcast = cache is not None and x.device.type == "cpu" and x.dtype != torch.float32
             attn_dtype = torch.float32 if upcast else x.dtype
             (q,) = self._heads(self.q_proj(x).to(attn_dtype), 1)
@@ -225,7 +229,8 @@ class Attention(nn.Module):
             if group > 1:  # beam search: the `group` beams of a sentence share its memory
                 return self._merge_heads(_grouped_attention(q, k, v, mask, group), x)
         else:
-            q, k, v = self._heads(self.qkv_proj(x), 3)  # (B, H, L, Dh) each
+            upcast = cache is not None and cache.float32_self and x.device.type == "cpu" and x.dtype != torch.float32
+            q, k, v = self._heads(self.qkv_proj(x).to(torch.float32 if upcast else x.dtype), 3)  # (B, H, L, Dh) each
             if cache is not None:
                 prefix = cache.self_kv[layer] is not None
                 k, v = cache.extend(layer, k, v)
@@ -481,8 +486,8 @@ class Seq2Seq(nn.Module):
         """(B, T) target ids -> (B, T, V) logits (columns: see `output_tokens`)."""
         return self.project(self.decoder_states(tgt, memory, src_mask, cache))
 
-    def new_cache(self) -> KVCache:
-        return KVCache(len(self.decoder_layers))
+    def new_cache(self, float32_self: bool = False) -> KVCache:
+        return KVCache(len(self.decoder_layers), float32_self)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Teacher-forced (B, T, V) logits."""
@@ -564,5 +569,5 @@ class Ensemble(nn.Module):
                 stack.enter_context(m.packed_output())
             yield
 
-    def new_cache(self) -> EnsembleCache:
-        return EnsembleCache([m.new_cache() for m in self.members])
+    def new_cache(self, float32_self: bool = False) -> EnsembleCache:
+        return EnsembleCache([m.new_cache(float32_self) for m in self.members])

@@ -159,7 +159,8 @@ def greedy_search(
     src_mask = make_src_mask(src)
     memory = model.encode(src, src_mask)
     max_lens = max_output_lengths(src, max_len_a, max_len_b, model).tolist()
-    cache = model.new_cache() if use_cache else None
+    # one row per sentence, reordered only when sentences end: self-attention may go float32 (bf16 weights)
+    cache = model.new_cache(float32_self=True) if use_cache else None
     rows = list(range(n))  # original sentence of each running row
     tokens = torch.full((n, 1), BOS, dtype=torch.long, device=src.device)
     sums = torch.zeros(n, device=src.device)

@@ -73,10 +73,12 @@ def test_cached_and_uncached_decoder_logits_agree(pre_norm: bool) -> None:
     assert torch.allclose(torch.cat([first, rest], dim=1), full, atol=1e-5)
 
 
-def test_bf16_decoding_cross_attends_in_float32() -> None:
+@pytest.mark.parametrize("float32_self", [False, True])
+def test_bf16_decoding_attends_in_float32(float32_self: bool) -> None:
     """A model cast to bf16 decodes with float32 cross-attention keys/values in the cache (its
-    products run in float32 on CPU) and bf16 self-attention ones, and its cached step-by-step
-    logits stay within bf16 rounding of the float32 model's, as the uncached bf16 ones do."""
+    products run in float32 on CPU), self-attention ones in float32 only where the cache asks
+    (greedy), and its cached step-by-step logits stay within bf16 rounding of the float32
+    model's, as the uncached bf16 ones do."""
     model = _model()
     half = _model().to(torch.bfloat16)
     src = _src()
@@ -84,10 +86,13 @@ def test_bf16_decoding_cross_attends_in_float32() -> None:
     mask = make_src_mask(src)
     want = model.decode(tgt, model.encode(src, mask), mask)
     memory = half.encode(src, mask)
-    cache = half.new_cache()
+    cache = half.new_cache(float32_self)
     steps = torch.cat([half.decode(tgt[:, t : t + 1], memory, mask, cache) for t in range(tgt.shape[1])], dim=1)
     assert steps.dtype == torch.bfloat16
-    for kvs, dtype in ((cache.cross_kv, torch.float32), (cache.self_kv, torch.bfloat16)):
+    for kvs, dtype in (
+        (cache.cross_kv, torch.float32),
+        (cache.self_kv, torch.float32 if float32_self else torch.bfloat16),
+    ):
         for kv in kvs:
             assert kv is not None and all(t.dtype == dtype for t in kv)
     uncached = half.decode(tgt, memory, mask)
