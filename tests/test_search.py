@@ -54,7 +54,7 @@ def test_row_max_equals_max_with_the_first_index_on_ties(vocab: int) -> None:
     values = torch.randn(9, vocab).round(decimals=1)  # many ties
     values[0, : vocab - 2] = float("-inf")  # a row forced to end: its best in the last block
     values[1, :] = 0.0  # all tied: the first column
-    values[2, -1] = 100.0  # the best in a short last block
+    values[2, -1] = 100.0  # the best in the last column (a short last block where vocab % 64)
     want = values.max(dim=1)
     best, column = search.row_max(values)
     assert torch.equal(best, want.values)
