@@ -209,14 +209,14 @@ class Attention(nn.Module):
         layer: int = 0,
     ) -> torch.Tensor:
         length = x.shape[1]
+        # decoding with bf16/fp16 weights on CPU: cross-attention runs in float32 over cached
+        # float32 keys/values (CPU's 16-bit batched products of a decoding step's small shapes
+        # are ~3x slower: 140 against 44 us for 64 rows x 4 heads x 20 keys). Self-attention
+        # too where the cache asks (greedy); beam search copies its self-attention cache at
+        # every step, twice the bytes in float32 (5% slower), so there it stays 16-bit.
+        decoding_16bit_cpu = cache is not None and x.device.type == "cpu" and x.dtype != torch.float32
         if self.cross:
-            # decoding with bf16/fp16 weights on CPU: cross-attention runs in float32 over cached
-            # float32 keys/values (CPU's 16-bit batched products of a decoding step's small shapes
-            # are ~3x slower: 140 against 44 us for 64 rows x 4 heads x 20 keys). Self-attention
-            # too where the cache asks (greedy); beam search copies its self-attention cache at
-            # every step, twice the bytes in float32 (5% slower), so there it stays 16-bit.
-            upcast = cache is not None and x.device.type == "cpu" and x.dtype != torch.float32
-            attn_dtype = torch.float32 if upcast else x.dtype
+            attn_dtype = torch.float32 if decoding_16bit_cpu else x.dtype
             (q,) = self._heads(self.q_proj(x).to(attn_dtype), 1)
             kv = cache.cross_kv[layer] if cache is not None else None
             if kv is None:
@@ -229,8 +229,8 @@ class Attention(nn.Module):
             if group > 1:  # beam search: the `group` beams of a sentence share its memory
                 return self._merge_heads(_grouped_attention(q, k, v, mask, group), x)
         else:
-            upcast = cache is not None and cache.float32_self and x.device.type == "cpu" and x.dtype != torch.float32
-            q, k, v = self._heads(self.qkv_proj(x).to(torch.float32 if upcast else x.dtype), 3)  # (B, H, L, Dh) each
+            attn_dtype = torch.float32 if decoding_16bit_cpu and cache.float32_self else x.dtype
+            q, k, v = self._heads(self.qkv_proj(x).to(attn_dtype), 3)  # (B, H, L, Dh) each
             if cache is not None:
                 prefix = cache.self_kv[layer] is not None
                 k, v = cache.extend(layer, k, v)
