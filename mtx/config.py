@@ -80,6 +80,10 @@ class TrainConfig:
     dropout_warmup: int = 0  # steps over which model.dropout ramps up linearly from dropout_start; 0: constant
     dropout_start: float = 0.0  # the dropout rate at step 1 when dropout_warmup > 0
     rdrop: float = 0.0  # R-Drop: weight of the symmetric KL between two dropout passes of each batch; 0: off
+    # word dropout (Sennrich & Zhang, 2019): each source / decoder-input piece of a training batch
+    # replaced by UNK with this probability (BOS, EOS and padding kept); 0: off
+    word_dropout: float = 0.0
+    tgt_word_dropout: float = 0.0
     clip_norm: float = 1.0  # 0: no clipping
     amp: str = "auto"  # auto | bf16 | fp16 | fp32
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
@@ -167,6 +171,8 @@ _UNIT_INTERVAL = {
     "train.label_smoothing",
     "train.ema",
     "train.dropout_start",
+    "train.word_dropout",
+    "train.tgt_word_dropout",
 }
 
 

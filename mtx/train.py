@@ -48,7 +48,7 @@ from mtx.errors import CheckpointError, Interrupted, MtxError
 from mtx.evaluate import corpus_scores
 from mtx.model import Dropout, Seq2Seq, make_src_mask
 from mtx.search import translate
-from mtx.tokenizer import BPE, PAD, load_run_tokenizers, tokenizer_paths, train_or_load
+from mtx.tokenizer import BPE, PAD, UNK, load_run_tokenizers, tokenizer_paths, train_or_load
 
 if TYPE_CHECKING:
     import datasets
@@ -195,6 +195,15 @@ def dropout_rate(step: int, cfg: TrainConfig, final: float) -> float:
         return final
     frac = (max(step, 1) - 1) / max(cfg.dropout_warmup - 1, 1)
     return round(cfg.dropout_start + (final - cfg.dropout_start) * frac, 4)
+
+
+def drop_words(ids: torch.Tensor, p: float) -> torch.Tensor:
+    """Word dropout: each piece of (B, L) `ids` replaced by UNK with probability `p`; the special
+    ids (padding, BOS, EOS, UNK) are kept. A new tensor; `ids` itself is not changed."""
+    if p <= 0.0:
+        return ids
+    drop = (torch.rand(ids.shape, device=ids.device) < p) & (ids > UNK)
+    return ids.masked_fill(drop, UNK)
 
 
 def set_dropout(model: torch.nn.Module, p: float) -> None:
@@ -873,6 +882,9 @@ class Trainer:
         total = 0.0
         for i, batch in enumerate(group):
             batch = batch.to(self.device)
+            if tc.word_dropout or tc.tgt_word_dropout:
+                src, tgt_in = drop_words(batch.src, tc.word_dropout), drop_words(batch.tgt_in, tc.tgt_word_dropout)
+                batch = replace(batch, src=src, tgt_in=tgt_in)
             accumulate = world > 1 and i < len(group) - 1
             with self.loss_module.no_sync() if accumulate else nullcontext():  # type: ignore[operator]
                 with autocast(self.device, self.amp):

@@ -53,6 +53,7 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("train:\n  rdrop: -1\n", r"train.rdrop must be >= 0"),
         ("model:\n  dropout: 0\ntrain:\n  rdrop: 5\n", "train.rdrop needs model.dropout or model.attention_dropout"),
         ("train:\n  dropout_start: 2\n", r"train.dropout_start must be in \[0, 1\)"),
+        ("train:\n  word_dropout: 1.0\n", r"train.word_dropout must be in \[0, 1\)"),
         ("train:\n  dropout_warmup: 100\n  compile: true\n", "train.dropout_warmup needs train.compile: false"),
         ("train:\n  amp: fp8\n", "train.amp must be one of"),
         ("decode:\n  precision: fp16\n", "decode.precision must be one of"),

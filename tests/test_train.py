@@ -11,12 +11,14 @@ from mtx.cli import main
 from mtx.config import ModelConfig, TrainConfig
 from mtx.data import Batch
 from mtx.model import Dropout, Seq2Seq, dropout
+from mtx.tokenizer import BOS, EOS, PAD, UNK
 from mtx.train import (
     MovingAverage,
     ProjectedRDropLoss,
     ProjectedSmoothedCrossEntropy,
     SmoothedCrossEntropy,
     _rdrop_of_logits,
+    drop_words,
     dropout_rate,
     label_smoothed_loss,
     learning_rate,
@@ -253,11 +255,27 @@ def test_bf16_converges_like_fp32(tmp_path: Path, small_data: Path) -> None:
     assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.1)
 
 
-def test_rdrop_training_learns(tmp_path: Path, small_data: Path) -> None:
-    run = tmp_path / "rdrop"
-    extra = ("--set", "train.max_steps=80", "--set", "train.eval_every=80", "--set", "train.log_every=20")
-    assert main([*tiny_args(small_data, run, *extra), "--set", "train.rdrop=1.0"]) == 0
-    assert _final_loss(run) < 5.5  # it learned (starts near ln(1000) = 6.9), the KL term included
+@pytest.mark.parametrize(
+    "regulariser", [["train.rdrop=1.0"], ["train.word_dropout=0.2", "train.tgt_word_dropout=0.1"]], ids=str
+)
+def test_regularised_training_learns(tmp_path: Path, small_data: Path, regulariser: list[str]) -> None:
+    run = tmp_path / "run"
+    extra = ["train.max_steps=80", "train.eval_every=80", "train.log_every=20", *regulariser]
+    assert main(tiny_args(small_data, run, *[a for s in extra for a in ("--set", s)])) == 0
+    assert _final_loss(run) < 5.5  # it learned (starts near ln(1000) = 6.9), R-Drop's KL term included
+
+
+def test_word_dropout_replaces_pieces_by_unk_and_keeps_special_ids() -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(4, 1000, (200, 50))
+    ids[:, 0], ids[:, -1], ids[:, -5:-1] = BOS, EOS, PAD
+    assert drop_words(ids, 0.0) is ids
+    dropped = drop_words(ids, 0.3)
+    changed = dropped != ids
+    assert (dropped[changed] == UNK).all()
+    assert not changed[:, [0, -5, -4, -3, -2, -1]].any()  # BOS, padding and EOS stay
+    assert changed.float().mean().item() == pytest.approx(0.3 * 44 / 50, abs=0.01)
+    assert (ids > UNK)[:, 1:-5].all()  # the input itself is unchanged
 
 
 def test_time_budget_stops_early_then_validates_and_saves(tmp_path: Path, small_data: Path) -> None:
