@@ -133,9 +133,19 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="passes over the split, each alternating the settings (seconds per pass)"
     )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="the weights' type of every row, as `mtx eval --precision` (bf16: CPUs with native bf16 only); "
+        "fp32 adds two bf16 rows beside it where the CPU has native bf16",
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if args.precision == "bf16" and not native_bf16:
+        parser.error("--precision bf16 needs a CPU with native bf16 (AVX-512 BF16 or AMX); this one emulates it")
 
     torch.set_num_threads(args.threads)
     run_dir = args.run
@@ -155,18 +165,23 @@ def main() -> None:
     b = cfg.decode.max_len_b
     alpha = cfg.decode.length_penalty
 
+    # `--precision bf16` (as `mtx eval --precision bf16`): every row decodes with the weights cast
+    # to bf16, so that the process never mixes the two types: alternating fp32 and bf16 models in
+    # one process slows both (oneDNN's cache of kernels for each shape and type thrashes; stop 29)
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    model = run.model.to(dtype)
     # name -> (model, beam, cache, workers)
-    settings = {name: (run.model, *setting) for name, setting in SETTINGS.items()}
-    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if native_bf16:  # `--precision bf16`: the same weights cast to bf16 (emulated, so not timed, elsewhere)
+    settings = {name: (model, *setting) for name, setting in SETTINGS.items()}
+    mixed_bf16 = native_bf16 and args.precision == "fp32"
+    if mixed_bf16:  # two bf16 rows beside the fp32 ones (emulated, so not timed, elsewhere)
         half = copy.deepcopy(run.model).to(torch.bfloat16)
         settings |= {name: (half, beam, True, 0) for name, beam in BF16.items()}
         decode_tokens(half, batches[0], 5, a, b, alpha)  # warm up
     if run.model.output_ids is not None:
-        whole = WholeVocabulary(run)
+        whole = WholeVocabulary(run).to(dtype)
         settings |= {name: (whole, beam, True, 0) for name, beam in WHOLE_VOCAB.items()}
         decode_tokens(whole, batches[0], 5, a, b, alpha)  # warm up
-    decode_tokens(run.model, batches[0], 5, a, b, alpha)  # warm up
+    decode_tokens(model, batches[0], 5, a, b, alpha)  # warm up
     group = decode_workers(0, torch.device("cpu"))  # batches per turn: one each for the default's threads
     rounds: list[dict[str, float]] = []  # seconds of each setting, per pass over the split
     out_tokens = dict.fromkeys(settings, 0)
@@ -187,7 +202,7 @@ def main() -> None:
     print(f"{run_dir}: {cfg.model.d_model}d {cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers} layers, ", end="")
     print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences), {args.threads} threads ", end="")
     print(f"({group} decoding threads by default), ", end="")
-    print(f"batches of {args.batch_sentences} sentences, max length {a}*src+{b}; ", end="")
+    print(f"{args.precision} weights, batches of {args.batch_sentences} sentences, max length {a}*src+{b}; ", end="")
     print(f"seconds per pass, {args.rounds} pass(es)")
     print(f"{'setting':20s} {'sent/s':>8s} {'out tok/s':>10s} {'mean len':>9s} {'seconds':>8s}")
     for name in settings:
@@ -199,9 +214,11 @@ def main() -> None:
         "greedy": outputs["greedy"] == outputs["greedy, no cache"] == outputs["greedy, 1 worker"],
         "beam5": outputs["beam 5"] == outputs["beam 5, no cache"] == outputs["beam 5, 1 worker"],
     }
-    print(f"cached == uncached == 1-worker outputs: greedy {same['greedy']}, beam 5 {same['beam5']}")
+    print(f"cached == uncached == 1-worker outputs: greedy {same['greedy']}, beam 5 {same['beam5']}", end="")
+    # with bf16 weights the cached steps attend in float32 (`Attention.forward`), uncached ones in bf16
+    print(" (bf16: cached steps attend in float32, uncached ones in bf16)" if args.precision == "bf16" else "")
     bf16: dict[str, float] = {}
-    if native_bf16:
+    if mixed_bf16:
         for key, fp32, half_name in (("greedy", "greedy", "greedy, bf16"), ("beam5", "beam 5", "beam 5, bf16")):
             bf16[f"{key}_tok_per_s"] = round(out_tokens[half_name] / seconds[half_name], 1)
             bf16[f"{key}_speedup"] = round(seconds[fp32] / seconds[half_name], 3)
@@ -236,7 +253,8 @@ def main() -> None:
                 "beam5_slowdown_vs_greedy": round(seconds["beam 5"] / seconds["greedy"], 3),
                 "beam5_slowdown_vs_greedy_per_round": [round(t["beam 5"] / t["greedy"], 3) for t in rounds],
                 "cached_equals_uncached": same,
-                "bf16": bf16 or None,  # --precision bf16, where the CPU has native bf16
+                "precision": args.precision,
+                "bf16": bf16 or None,  # the two bf16 rows of an fp32 run, where the CPU has native bf16
                 "restricted_output_speedup": restricted or None,
                 "restricted_output_identical": identical or None,
             }

@@ -1,7 +1,8 @@
 """The benchmarks' own claims: for decoding, the same outputs with and without the cache, the
 whole-vocabulary rows it adds for a run with a restricted softmax and the bf16 rows where the CPU
-has native bf16; for training, a matrix-product bound no lower than the speed-up it measured, and
-bf16 rows for both models where the CPU has native bf16."""
+has native bf16 (every row in bf16 with `--precision bf16`); for training, a matrix-product bound
+no lower than the speed-up it measured, and bf16 rows for both models where the CPU has native
+bf16."""
 
 from __future__ import annotations
 
@@ -49,6 +50,18 @@ def test_bench_decode_adds_no_whole_vocabulary_rows_to_a_whole_vocabulary_run(ti
         assert any(line.startswith("beam 5, bf16") for line in lines)
     else:
         assert result["bf16"] is None and not any("bf16" in line for line in lines)
+
+
+def test_bench_decode_in_bf16_times_every_row_in_bf16(tiny_restricted_run: Path) -> None:
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        result = subprocess.run([sys.executable, str(SCRIPT), "--precision", "bf16"], capture_output=True, text=True)
+        assert result.returncode != 0 and "needs a CPU with native bf16" in result.stderr
+        return
+    lines, result = _bench(tiny_restricted_run, "--precision", "bf16")
+    assert result["precision"] == "bf16" and "bf16 weights" in lines[0]
+    assert result["bf16"] is None and not any(line.startswith("greedy, bf16") for line in lines)  # no mixed rows
+    assert result["greedy_tok_per_s"] > 0 and result["beam5_tok_per_s"] > 0
+    assert all(ratio > 0 for ratio in result["restricted_output_speedup"].values())  # the whole vocabulary in bf16
 
 
 def test_bench_train_bounds_the_speedup_by_the_matrix_products(small_data: Path) -> None:
