@@ -165,9 +165,9 @@ def main() -> None:
     b = cfg.decode.max_len_b
     alpha = cfg.decode.length_penalty
 
-    # `--precision bf16` (as `mtx eval --precision bf16`): every row decodes with the weights cast
-    # to bf16, so that the process never mixes the two types: alternating fp32 and bf16 models in
-    # one process slows both (oneDNN's cache of kernels for each shape and type thrashes; stop 29)
+    # `--precision bf16`: every row, the uncached ones too, decodes with the weights cast to bf16,
+    # as `mtx eval --precision bf16` runs, and no fp32 model shares the process (what else runs in
+    # the process moved a setting's rate by up to 1.35x in stop 29: docs/speed.md)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     model = run.model.to(dtype)
     # name -> (model, beam, cache, workers)
