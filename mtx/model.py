@@ -55,23 +55,26 @@ class Dropout(nn.Module):
         return dropout(x, self.p, self.training)
 
 
-# Searches on CPU in float32 multiply the decoder states by a copy of the output weight prepacked
-# for oneDNN (the ops torch.compile's CPU backend uses for frozen weights), packed once per search
-# call, or once per `translate_ids` call for all its batches (`Seq2Seq.packed_output`). Measured
-# alternating per batch on test_2016_flickr, 2 AVX2 cores, identical outputs: greedy 1.14x and
-# beam 5 1.06x faster at d_model 256 with an 8k softmax, 1.10x and 1.08x at d_model 128 with 4,180
-# outputs (whose restricted weight is no longer gathered at every step). Packing every linear
-# layer was slower at d_model 128 (greedy 0.77x): for small products oneDNN's ~20 us more per call
-# outweighs its faster kernel.
+# Searches on CPU multiply by copies of weights prepacked for oneDNN (the ops torch.compile's CPU
+# backend uses for frozen weights), packed once per search call, or once per `translate_ids` call
+# for all its batches (`Seq2Seq.packed_weights`): the output weight in float32 and bf16, and with
+# bf16 weights every decoder linear layer too. Measured alternating per batch on test_2016_flickr,
+# 2 AVX2 cores, identical outputs: the float32 output weight packed, greedy 1.14x and beam 5 1.06x
+# faster at d_model 256 with an 8k softmax, 1.10x and 1.08x at d_model 128 with 4,180 outputs.
+# Packing every float32 linear layer was slower at d_model 128 (greedy 0.77x): for small products
+# oneDNN's ~20 us more per call outweighs its faster kernel. With bf16 weights on Zen 4 (AVX-512
+# BF16) the plain product repacks the weight at every call (1-row products of a decoding step:
+# 35-59 against 21-28 us), so there every decoder layer is packed (docs/speed.md, stop 30).
 _PACK_ROWS_HINT = 64
 _can_pack = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+_PACK_LAYERS_DTYPES = (torch.bfloat16,)  # weight types whose decoder layers are packed too
 
 
 def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A (V, D) float32 CPU weight packed for `_packed_linear`, or None where that is not possible
-    (another device or dtype, or a torch build whose ops fail: then never tried again)."""
+    """An (out, in) float32 or bf16 CPU weight packed for `_packed_linear`, or None where that is
+    not possible (another device or dtype, or a torch build whose ops fail: then never tried again)."""
     global _can_pack
-    if not _can_pack or weight.device.type != "cpu" or weight.dtype != torch.float32:
+    if not _can_pack or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
@@ -82,6 +85,19 @@ def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` that multiplies by `packed`, a prepacked copy of its weight, where one is set
+    (inside `Seq2Seq.packed_weights`) and autograd does not record."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed
+        if packed is not None and x.dtype == packed.dtype and not torch.is_grad_enabled():
+            return _packed_linear(x, packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 def make_src_mask(src: torch.Tensor) -> torch.Tensor:
@@ -188,11 +204,11 @@ class Attention(nn.Module):
         self.cross = cross
         self.dropout = dropout
         if cross:
-            self.q_proj = nn.Linear(d_model, d_model)
-            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+            self.q_proj = Linear(d_model, d_model)
+            self.kv_proj = Linear(d_model, 2 * d_model)
         else:
-            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
+            self.qkv_proj = Linear(d_model, 3 * d_model)
+        self.out_proj = Linear(d_model, d_model)
 
     def _heads(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
         """(B, L, n*D) -> n tensors of (B, H, L, Dh)."""
@@ -292,8 +308,8 @@ def _grouped_attention(
 class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, dropout: float) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(d_model, d_ff)
-        self.fc2 = nn.Linear(d_ff, d_model)
+        self.fc1 = Linear(d_model, d_ff)
+        self.fc2 = Linear(d_ff, d_model)
         self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -389,7 +405,7 @@ class Seq2Seq(nn.Module):
         self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
         self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
         self.output_proj = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
-        self._packed_output: torch.Tensor | None = None  # set inside `packed_output` only
+        self._packed_output: torch.Tensor | None = None  # set inside `packed_weights` only
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -442,23 +458,31 @@ class Seq2Seq(nn.Module):
         """(..., D) decoder states -> (..., V) logits (tied to the target embedding by default),
         plus an optional (V,) logit bias."""
         packed = self._packed_output
-        if packed is not None and states.dtype == torch.float32 and not torch.is_grad_enabled():
+        if packed is not None and states.dtype == packed.dtype and not torch.is_grad_enabled():
             return _packed_linear(states, packed, bias)
         return F.linear(states, self.output_weight, bias)
 
     @contextlib.contextmanager
-    def packed_output(self) -> Iterator[None]:
-        """Within the block, CPU float32 inference projects with a prepacked copy of the output
-        weight (the weights must not change inside it: searches wrap one call in it). Nested
-        blocks reuse the outer one's copy, so decoding threads inside one block share it."""
+    def packed_weights(self) -> Iterator[None]:
+        """Within the block, CPU inference projects with a prepacked copy of the output weight
+        (float32 or bf16), and with bf16 weights every decoder linear layer with a prepacked
+        copy of its own (the weights must not change inside it: searches wrap one call in it).
+        Nested blocks reuse the outer one's copies, so decoding threads inside one block share them."""
         if self._packed_output is not None:
             yield
             return
         self._packed_output = _pack_weight(self.output_weight)
+        layers = [m for m in self.decoder_layers.modules() if isinstance(m, Linear)]
+        if self._packed_output is None or self._packed_output.dtype not in _PACK_LAYERS_DTYPES:
+            layers = []
         try:
+            for m in layers:
+                m.packed = _pack_weight(m.weight)
             yield
         finally:
             self._packed_output = None
+            for m in layers:
+                m.packed = None
 
     def _index_output_ids(self) -> None:
         """Token id -> logit column (UNK's column for ids outside `output_ids`)."""
@@ -563,10 +587,10 @@ class Ensemble(nn.Module):
         return self.members[0].output_tokens(columns)
 
     @contextlib.contextmanager
-    def packed_output(self) -> Iterator[None]:
+    def packed_weights(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             for m in self.members:
-                stack.enter_context(m.packed_output())
+                stack.enter_context(m.packed_weights())
             yield
 
     def new_cache(self, float32_self: bool = False) -> EnsembleCache:

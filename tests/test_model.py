@@ -218,14 +218,14 @@ def test_attention_dropout_on_the_explicit_path() -> None:
 @pytest.mark.parametrize("restricted", [False, True])
 def test_packed_output_projection_matches_plain_and_ends_with_its_block(restricted: bool) -> None:
     """Searches project with a prepacked copy of the output weight (CPU float32 inference inside
-    `packed_output`): the same logits as F.linear; outside the block, or under autograd, the
+    `packed_weights`): the same logits as F.linear; outside the block, or under autograd, the
     plain product of the current weights."""
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0)
     model = Seq2Seq(cfg, 300, 300, joint_vocab=True, output_ids=torch.arange(4, 300, 2) if restricted else None)
     states = torch.randn(6, 3, 32)
     want = torch.nn.functional.linear(states, model.output_weight)
-    with model.packed_output():
+    with model.packed_weights():
         assert (model._packed_output is not None) == mtx.model._can_pack
         bias = torch.randn(want.shape[-1])
         with torch.inference_mode():
@@ -236,7 +236,7 @@ def test_packed_output_projection_matches_plain_and_ends_with_its_block(restrict
         (grad,) = torch.autograd.grad(logits.sum(), states)
         assert grad.shape == states.shape
         packed = model._packed_output
-        with model.packed_output():  # nested (a search inside translate_ids' block): the same copy
+        with model.packed_weights():  # nested (a search inside translate_ids' block): the same copy
             assert model._packed_output is packed
         assert model._packed_output is packed
     assert model._packed_output is None
@@ -244,3 +244,25 @@ def test_packed_output_projection_matches_plain_and_ends_with_its_block(restrict
         model.output_table.mul_(1.5)
     with torch.inference_mode():  # after the block: the current weights
         assert torch.allclose(model.project(states), torch.nn.functional.linear(states, model.output_weight))
+
+
+@pytest.mark.skipif(not mtx.model._can_pack, reason="this torch build cannot pack weights for oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_decoders_pack_every_linear_layer_and_decode_as_plain(dtype: torch.dtype) -> None:
+    """Inside `packed_weights` a bf16 model's decoder linear layers multiply by packed copies of
+    their weights (float32 ones do not: slower for small products), with the logits of the plain
+    products; the copies go when the block ends."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=32, n_heads=4, d_ff=64, n_encoder_layers=1, n_decoder_layers=2, dropout=0.0)
+    model = Seq2Seq(cfg, V, V, joint_vocab=True).eval().to(dtype)
+    src, tgt = _src(), torch.tensor([[BOS, 20, 21], [BOS, 22, 23]])
+    layers = [m for m in model.decoder_layers.modules() if isinstance(m, mtx.model.Linear)]
+    assert len(layers) == 2 * 7  # per layer: qkv and out (self), q, kv and out (cross), fc1 and fc2
+    with torch.inference_mode():
+        plain = model(src, tgt)
+        with model.packed_weights():
+            assert all((m.packed is not None) == (dtype == torch.bfloat16) for m in layers)
+            assert all(m.packed is None for m in model.encoder_layers.modules() if isinstance(m, mtx.model.Linear))
+            packed = model(src, tgt)
+    assert all(m.packed is None for m in layers)
+    assert torch.allclose(packed.float(), plain.float(), atol=1e-5 if dtype == torch.float32 else 2e-2)
