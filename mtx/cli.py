@@ -61,13 +61,7 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workers",
         type=int,
-        help="workers decoding batches side by side, sharing --threads (default: decode.workers; 0: auto)",
-    )
-    p.add_argument(
-        "--worker-threads",
-        action="store_true",
-        help="the workers are threads of this process, not forked processes (default: decode.worker_processes; "
-        "processes are used on Linux CPUs only)",
+        help="threads decoding batches side by side, sharing --threads (default: decode.workers; 0: auto)",
     )
     p.add_argument("--no-cache", action="store_true", help="recompute the decoder over the whole prefix each step")
     p.add_argument(
@@ -255,7 +249,6 @@ def cmd_translate(args: argparse.Namespace) -> int:
         nbest=args.nbest,
         use_cache=not args.no_cache,
         workers=workers,
-        processes=dc.worker_processes and not args.worker_threads,
     )
     out = sys.stdout
     for i, h in enumerate(hyps):
@@ -300,7 +293,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         batch_tokens,
         use_cache=not args.no_cache,
         workers=workers,
-        processes=cfg.decode.worker_processes and not args.worker_threads,
     )
     output = args.output or args.run / "eval" / f"{name}.beam{beam}.{cfg.data.tgt_lang}"
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -108,8 +108,7 @@ class DecodeConfig:
     max_len_a: float = 1.2
     max_len_b: int = 10
     batch_tokens: int = 4000  # decode batch budget in source tokens
-    workers: int = 0  # workers decoding batches side by side, sharing torch's threads; 0: auto (2 on CPU, 2+ threads)
-    worker_processes: bool = True  # translate/eval: workers are forked processes on Linux CPU (false: threads)
+    workers: int = 0  # threads decoding batches side by side, sharing torch's; 0: auto (2 on CPU with 2+ threads)
     precision: str = "fp32"  # fp32 | bf16: the weights' type in translate/eval (validation decodes in fp32)
 
 

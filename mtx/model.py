@@ -64,7 +64,8 @@ class Dropout(nn.Module):
 # Packing every float32 linear layer was slower at d_model 128 (greedy 0.77x): for small products
 # oneDNN's ~20 us more per call outweighs its faster kernel. With bf16 weights on Zen 4 (AVX-512
 # BF16) the plain product repacks the weight at every call (1-row products of a decoding step:
-# 35-59 against 21-28 us), so there every decoder layer is packed (docs/speed.md, stop 30).
+# 35-59 against 21-28 us), so there every decoder layer is packed: bf16 greedy 1.10x on 1 thread,
+# 1.07x as `mtx eval` batches on 2, beam 5 0.99-1.04x (docs/speed.md, stop 30).
 _PACK_ROWS_HINT = 64
 _can_pack = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 _PACK_LAYERS_DTYPES = (torch.bfloat16,)  # weight types whose decoder layers are packed too

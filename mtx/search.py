@@ -8,13 +8,9 @@ what its longest output costs only for the sentences still running. Both take a 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
-import multiprocessing
-import sys
-import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
@@ -333,14 +329,12 @@ def translate_ids(
     device: torch.device | None = None,
     use_cache: bool = True,
     workers: int = 0,
-    processes: bool = True,
 ) -> list[list[Hypothesis]]:
     """Decode many tokenised sentences (without EOS) in length-sorted batches; input order kept.
 
     Empty inputs give one empty hypothesis; inputs longer than the model's positions are
-    truncated (with a warning). Batches are decoded by `workers` workers (0: auto, see
-    `decode_workers`), forked processes where `processes` and the platform allow, else threads
-    (`in_workers`); the hypotheses depend on neither (tests/test_search.py).
+    truncated (with a warning). Batches are decoded on `workers` threads (0: auto, see
+    `decode_workers`); the hypotheses do not depend on it (tests/test_search.py).
     """
     device = device or next(model.parameters()).device
     limit = model.cfg.max_positions - 1  # room for EOS
@@ -359,7 +353,7 @@ def translate_ids(
         return beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, use_cache)
 
     batches = _decode_batches([len(src_ids[i]) + 1 for i in todo], batch_tokens)
-    for batch, hyps in zip(batches, in_workers(decode, batches, workers, device, model, processes), strict=True):
+    for batch, hyps in zip(batches, in_workers(decode, batches, workers, device, model), strict=True):
         for j, h in zip(batch, hyps, strict=True):
             results[todo[j]] = h
     return results
@@ -377,69 +371,27 @@ def decode_workers(workers: int, device: torch.device) -> int:
     return min(workers or 2, max(torch.get_num_threads(), 1))
 
 
-# work handed to forked decoding processes, by call: a child inherits it and receives only the
-# call's key and a batch index, so neither the model nor the batch function is pickled
-_FORKED: dict[int, tuple[Callable[[B], object], Sequence[B]]] = {}
-_forked_keys = itertools.count()
-
-
-def _forked_batch(key: int, index: int) -> object:
-    fn, batches = _FORKED[key]
-    return fn(batches[index])
-
-
-def can_fork_workers(device: torch.device) -> bool:
-    """Whether decoding workers may be forked processes: CPU on Linux (fork is the safe start
-    method there; elsewhere workers stay threads)."""
-    return device.type == "cpu" and sys.platform == "linux" and "fork" in multiprocessing.get_all_start_methods()
-
-
 def in_workers(
     fn: Callable[[B], R],
     batches: Sequence[B],
     workers: int,
     device: torch.device,
     model: Seq2Seq | Ensemble,
-    processes: bool = True,
 ) -> list[R]:
-    """[fn(b) for b in batches], on `decode_workers(workers, device)` workers that split torch's
+    """[fn(b) for b in batches], on `decode_workers(workers, device)` threads that split torch's
     intra-op threads between them, last batch first (`_decode_batches` ends with the longest).
-
-    The workers are processes forked for the call where `processes` and `can_fork_workers` allow,
-    else threads. Threads share the interpreter lock, which the many small operations of a
-    decoding step take and give back: two forked processes, each with its own, decoded bf16
-    greedy 1.23x faster than two threads (d_model 256, batches of 64; fp32 greedy 1.05x, beam 5
-    1.01x; docs/speed.md, stop 30). A process gets `fn` and the batches from the fork, and sends
-    back only its results, which must pickle. The weights are packed once for all batches
-    (`Seq2Seq.packed_weights`), before the fork; torch's thread count is restored after."""
+    The weights are packed once for all batches (`Seq2Seq.packed_weights`); torch's thread count
+    is restored after."""
     workers = min(decode_workers(workers, device), len(batches))
     threads = torch.get_num_threads()
     with model.packed_weights():
         if workers <= 1:
             return [fn(b) for b in batches]
-        per_worker = max(1, threads // workers)
-        pool: Executor
-        key = None
-        if processes and can_fork_workers(device):
-            key = next(_forked_keys)
-            _FORKED[key] = (fn, batches)
-            fork = multiprocessing.get_context("fork")
-            pool = ProcessPoolExecutor(workers, fork, initializer=torch.set_num_threads, initargs=(per_worker,))
-        else:
-            pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(per_worker,))
+        pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(max(1, threads // workers),))
         try:
-            order = range(len(batches) - 1, -1, -1)
-            with warnings.catch_warnings():  # 3.12+: forking a process that has threads (torch's own)
-                warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
-                if key is not None:
-                    futures = [pool.submit(_forked_batch, key, i) for i in order]
-                else:
-                    futures = [pool.submit(fn, batches[i]) for i in order]
-            return [f.result() for f in futures][::-1]  # type: ignore[misc]
+            return list(pool.map(fn, batches[::-1]))[::-1]
         finally:  # on an error or Ctrl-C, the batches not yet started are dropped, not decoded first
             pool.shutdown(wait=True, cancel_futures=True)
-            if key is not None:
-                del _FORKED[key]
             torch.set_num_threads(threads)  # the BLAS thread count is process-wide
 
 
@@ -455,24 +407,12 @@ def translate(
     device: torch.device | None = None,
     use_cache: bool = True,
     workers: int = 0,
-    processes: bool = True,
 ) -> list[str]:
     """1-best translations of token-id sentences as detokenised text, order kept.
 
     What `mtx eval`, validation during training and scripts/choose_on_val.py score, so all
     three turn ids into text the same way."""
     hyps = translate_ids(
-        model,
-        src_ids,
-        beam,
-        alpha,
-        max_len_a,
-        max_len_b,
-        batch_tokens,
-        1,
-        device,
-        use_cache=use_cache,
-        workers=workers,
-        processes=processes,
+        model, src_ids, beam, alpha, max_len_a, max_len_b, batch_tokens, 1, device, use_cache=use_cache, workers=workers
     )
     return tgt_tok.decode_batch([h[0].tokens for h in hyps])

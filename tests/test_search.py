@@ -119,31 +119,18 @@ def test_batched_equals_one_at_a_time(run: LoadedRun, src_ids: list[list[int]], 
     assert [h[0].tokens for h in small_batches] == [h[0].tokens for h in batched]
 
 
-@pytest.mark.parametrize("processes", [False, True])
 @pytest.mark.parametrize("beam", [1, 5])
-def test_decoding_workers_change_no_output(
-    run: LoadedRun, src_ids: list[list[int]], beam: int, processes: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Batches decoded by workers side by side (`workers`, at most torch's threads; threads, or
-    forked processes on Linux) come back in input order with the hypotheses of one worker, and
-    torch's thread count is what it was."""
-    if processes and not search.can_fork_workers(torch.device("cpu")):
-        pytest.skip("decoding workers are threads on this platform")
+def test_decoding_threads_change_no_output(run: LoadedRun, src_ids: list[list[int]], beam: int) -> None:
+    """Batches decoded by threads side by side (`workers`, at most torch's threads) come back in
+    input order with the hypotheses of one thread, and torch's thread count is what it was."""
     threads = torch.get_num_threads()
-    forked = []
-    real_pool = search.ProcessPoolExecutor
-    monkeypatch.setattr(search, "ProcessPoolExecutor", lambda *a, **k: forked.append(1) or real_pool(*a, **k))
     one = translate_ids(run.model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=60, nbest=beam, workers=1)
     for workers in (2, 3):
-        several = translate_ids(
-            run.model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=60, nbest=beam, workers=workers, processes=processes
-        )
+        several = translate_ids(run.model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=60, nbest=beam, workers=workers)
         for a, b in zip(one, several, strict=True):
             assert [h.tokens for h in a] == [h.tokens for h in b]
             assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
         assert torch.get_num_threads() == threads
-    assert bool(forked) == (processes and threads >= 2)
-    assert not search._FORKED  # the work handed to the processes is dropped after the call
 
 
 def test_an_error_in_a_decoding_thread_stops_the_rest(tiny_run: Path) -> None:
@@ -160,31 +147,10 @@ def test_an_error_in_a_decoding_thread_stops_the_rest(tiny_run: Path) -> None:
         return batch
 
     with pytest.raises(RuntimeError, match="batch 39 failed"):
-        search.in_workers(decode, list(range(40)), 2, torch.device("cpu"), model, processes=False)
+        search.in_workers(decode, list(range(40)), 2, torch.device("cpu"), model)
     assert len(calls) < 10
     assert torch.get_num_threads() == threads
     assert search.in_workers(lambda b: 2 * b, list(range(5)), 2, torch.device("cpu"), model) == [0, 2, 4, 6, 8]
-
-
-@pytest.mark.skipif(not search.can_fork_workers(torch.device("cpu")), reason="decoding workers are threads here")
-def test_an_error_in_a_decoding_process_reaches_the_caller(tiny_run: Path, tmp_path: Path) -> None:
-    """A forked decoding process that fails ends the call with its error; the batches not started
-    are dropped (each batch leaves a file, so the parent can count what the children ran)."""
-    model = load_run(tiny_run).model
-    if torch.get_num_threads() < 2:
-        pytest.skip("one torch thread: one worker, no processes")
-
-    def decode(batch: int) -> int:
-        (tmp_path / str(batch)).touch()
-        if batch == 39:
-            raise RuntimeError("batch 39 failed")
-        time.sleep(0.05)
-        return batch
-
-    with pytest.raises(RuntimeError, match="batch 39 failed"):
-        search.in_workers(decode, list(range(40)), 2, torch.device("cpu"), model)
-    assert (tmp_path / "39").exists() and len(list(tmp_path.iterdir())) < 10
-    assert not search._FORKED
 
 
 def test_decoding_threads_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
