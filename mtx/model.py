@@ -12,6 +12,7 @@ and broadcasts over heads and queries; the decoder's causal mask is never materi
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 
@@ -71,11 +72,19 @@ _can_pack = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "
 _PACK_LAYERS_DTYPES = (torch.bfloat16,)  # weight types whose decoder layers are packed too
 
 
+@functools.cache
+def _packable_dtypes() -> tuple[torch.dtype, ...]:
+    """float32, and bf16 where the CPU has native bf16 (AVX-512 BF16, AMX): elsewhere oneDNN
+    would emulate it, and bf16 decoding does not pay there anyway."""
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
 def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """An (out, in) float32 or bf16 CPU weight packed for `_packed_linear`, or None where that is
-    not possible (another device or dtype, or a torch build whose ops fail: then never tried again)."""
+    """An (out, in) CPU weight packed for `_packed_linear`, or None where that is not possible
+    (another device or dtype, see `_packable_dtypes`, or a torch build whose ops fail: then never
+    tried again)."""
     global _can_pack
-    if not _can_pack or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+    if not _can_pack or weight.device.type != "cpu" or weight.dtype not in _packable_dtypes():
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
