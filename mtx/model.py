@@ -93,6 +93,12 @@ def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _uses_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether a product of x may go through `packed`: one for x's dtype, and autograd not
+    recording (the packed product has no gradient)."""
+    return packed is not None and x.dtype == packed.dtype and not torch.is_grad_enabled()
+
+
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -104,9 +110,8 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed
-        if packed is not None and x.dtype == packed.dtype and not torch.is_grad_enabled():
-            return _packed_linear(x, packed, self.bias)
+        if _uses_packed(x, self.packed):
+            return _packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -468,7 +473,7 @@ class Seq2Seq(nn.Module):
         """(..., D) decoder states -> (..., V) logits (tied to the target embedding by default),
         plus an optional (V,) logit bias."""
         packed = self._packed_output
-        if packed is not None and states.dtype == packed.dtype and not torch.is_grad_enabled():
+        if _uses_packed(states, packed):  # then the restricted weight is not gathered (`output_weight`)
             return _packed_linear(states, packed, bias)
         return F.linear(states, self.output_weight, bias)
 
