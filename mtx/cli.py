@@ -55,18 +55,13 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: the run's decode.beam)")
     p.add_argument("--length-penalty", type=float, help="GNMT length penalty alpha (default: decode.length_penalty)")
-    p.add_argument(
-        "--batch-tokens",
-        type=int,
-        help="decode batch size in source tokens: the most a running batch holds (default: decode.batch_tokens)",
-    )
+    p.add_argument("--batch-tokens", type=int, help="decode batch size in source tokens (default: decode.batch_tokens)")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument(
         "--workers",
         type=int,
-        help="threads decoding side by side (batches; streams of continuous batching for cached greedy), "
-        "sharing --threads (default: decode.workers; 0: auto)",
+        help="threads decoding batches side by side, sharing --threads (default: decode.workers; 0: auto)",
     )
     p.add_argument("--no-cache", action="store_true", help="recompute the decoder over the whole prefix each step")
     p.add_argument(

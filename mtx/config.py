@@ -107,7 +107,7 @@ class DecodeConfig:
     length_penalty: float = 1.0  # GNMT alpha; 0: raw log-prob
     max_len_a: float = 1.2
     max_len_b: int = 10
-    batch_tokens: int = 4000  # decode batch budget in source tokens (the running batch of a stream)
+    batch_tokens: int = 4000  # decode batch budget in source tokens
     workers: int = 0  # threads decoding batches side by side, sharing torch's; 0: auto (2 on CPU with 2+ threads)
     precision: str = "fp32"  # fp32 | bf16: the weights' type in translate/eval (validation decodes in fp32)
 

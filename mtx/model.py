@@ -133,10 +133,6 @@ class KVCache:
         self.cross_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         # rows of self_kv[i] still to select (`reorder`), applied in the copy that appends (`extend`)
         self.pending_rows: list[torch.Tensor | None] = [None] * n_layers
-        # per row, the positions it has decoded, once rows that joined later (`append_rows`) sit
-        # left-padded beside longer ones; None while every row has `length` of them
-        self.lengths: torch.Tensor | None = None
-        self.step_mask: torch.Tensor | None = None  # (B, 1, 1, T) self-attention keys of this step's rows
 
     @property
     def length(self) -> int:
@@ -153,73 +149,10 @@ class KVCache:
             if kv is not None:
                 pending = self.pending_rows[i]
                 self.pending_rows[i] = index if pending is None else pending.index_select(0, index)
-        if self.lengths is not None and len(index):
-            self.lengths = self.lengths.index_select(0, index)
-            self._trim(int(self.lengths.max()))
         if cross_index is not None:
             for i, kv in enumerate(self.cross_kv):
                 if kv is not None:
                     self.cross_kv[i] = (kv[0].index_select(0, cross_index), kv[1].index_select(0, cross_index))
-
-    def _trim(self, keep: int) -> None:
-        """Drop the oldest self-attention positions beyond the last `keep`: padding of every row."""
-        for i, kv in enumerate(self.self_kv):
-            if kv is not None and kv[0].shape[2] > keep:
-                self.self_kv[i] = (kv[0][:, :, -keep:], kv[1][:, :, -keep:])
-
-    def _selected(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s self-attention keys/values with its pending row selection applied."""
-        kv = self.self_kv[layer]
-        assert kv is not None
-        rows, self.pending_rows[layer] = self.pending_rows[layer], None
-        return kv if rows is None else (kv[0].index_select(0, rows), kv[1].index_select(0, rows))
-
-    def append_rows(self, other: KVCache) -> None:
-        """Add `other`'s rows after this cache's rows (continuous batching: sentences that join
-        a running batch). Self-attention keys/values of the side with fewer positions are padded
-        on the left, and their rows' `lengths` say which positions are real (`positions`,
-        `begin_step`); cross-attention keys/values of the shorter source are padded on the right,
-        where the caller's source mask must be False."""
-        mine, theirs = self.length, other.length
-        lengths = torch.cat([self.row_lengths(), other.row_lengths()])
-        for i in range(len(self.self_kv)):
-            a, b = self._selected(i), other._selected(i)
-            self.self_kv[i] = tuple(
-                torch.cat([_pad_dim(x, 2, theirs - mine, left=True), _pad_dim(y, 2, mine - theirs, left=True)])
-                for x, y in zip(a, b, strict=True)
-            )
-            a, b = self.cross_kv[i], other.cross_kv[i]
-            assert a is not None and b is not None
-            gap = b[0].shape[2] - a[0].shape[2]
-            self.cross_kv[i] = tuple(
-                torch.cat([_pad_dim(x, 2, gap), _pad_dim(y, 2, -gap)]) for x, y in zip(a, b, strict=True)
-            )
-        self.lengths = lengths
-
-    def row_lengths(self) -> torch.Tensor:
-        """(B,) positions decoded per row."""
-        if self.lengths is not None:
-            return self.lengths
-        first = self.self_kv[0]
-        assert first is not None
-        rows = self.pending_rows[0]
-        n = first[0].shape[0] if rows is None else len(rows)
-        return torch.full((n,), self.length, dtype=torch.long, device=first[0].device)
-
-    def positions(self) -> int | torch.Tensor:
-        """Position of each row's next token: an int when every row has decoded as many."""
-        return self.length if self.lengths is None else self.lengths
-
-    def begin_step(self, new: int) -> None:
-        """Before a step that appends `new` positions to every row: the self-attention key mask
-        of its rows (None when no row is padded)."""
-        if self.lengths is None:
-            self.step_mask = None
-            return
-        total = self.length + new
-        first = torch.arange(total, device=self.lengths.device) >= (self.length - self.lengths)[:, None]
-        self.step_mask = first[:, None, None, :]
-        self.lengths = self.lengths + new
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append (B, H, L, Dh) new keys/values to layer `layer`'s self-attention cache (after
@@ -246,16 +179,6 @@ def _select_and_append(past: torch.Tensor, rows: torch.Tensor | None, new: torch
     return out
 
 
-def _pad_dim(x: torch.Tensor, dim: int, n: int, left: bool = False) -> torch.Tensor:
-    """`x` with `n` zeros added along `dim` (on the left with `left`); `x` itself when n <= 0."""
-    if n <= 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = n
-    zeros = x.new_zeros(shape)
-    return torch.cat([zeros, x] if left else [x, zeros], dim=dim)
-
-
 def sinusoidal_positions(n_positions: int, d_model: int) -> torch.Tensor:
     """(P, D) table of sin/cos position encodings (Vaswani et al., section 3.5)."""
     pos = torch.arange(n_positions, dtype=torch.float32)[:, None]
@@ -276,19 +199,13 @@ class Embedding(nn.Module):
         self.register_buffer("positions", sinusoidal_positions(max_positions, d_model), persistent=False)
         self.dropout = Dropout(dropout)
 
-    def forward(self, ids: torch.Tensor, offset: int | torch.Tensor = 0) -> torch.Tensor:
-        """(B, L) ids at positions `offset` .. `offset + L - 1`; a (B,) `offset` gives each row its own."""
+    def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         length = ids.shape[1]
-        last = offset + length if isinstance(offset, int) else int(offset.max()) + length
-        if last > self.positions.shape[0]:
-            raise ValueError(f"sequence of {last} positions exceeds model.max_positions ({self.positions.shape[0]})")
-        if isinstance(offset, int):
-            positions = self.positions[offset : offset + length]  # (L, D)
-        elif length == 1:  # a decoding step: one gather
-            positions = self.positions.index_select(0, offset)[:, None]  # (B, 1, D)
-        else:
-            positions = self.positions[offset[:, None] + torch.arange(length, device=ids.device)]  # (B, L, D)
-        x = self.tokens(ids) * self.scale + positions  # (B, L, D)
+        if offset + length > self.positions.shape[0]:
+            raise ValueError(
+                f"sequence of {offset + length} positions exceeds model.max_positions ({self.positions.shape[0]})"
+            )
+        x = self.tokens(ids) * self.scale + self.positions[offset : offset + length]  # (B, L, D)
         return self.dropout(x)
 
 
@@ -348,11 +265,9 @@ class Attention(nn.Module):
             if cache is not None:
                 prefix = cache.self_kv[layer] is not None
                 k, v = cache.extend(layer, k, v)
-                mask = cache.step_mask  # rows that joined later are padded on the left (continuous batching)
                 if prefix:  # the queries follow cached positions: no plain causal flag
                     if is_causal and length > 1:  # several new queries: explicit bottom-right mask
-                        causal = _causal_mask(length, k.shape[2], x.device)
-                        mask = causal if mask is None else mask & causal
+                        mask = _causal_mask(length, k.shape[2], x.device)
                     is_causal = False
         # explicit products + softmax beat SDPA's kernels for one decoding step (2-3x) and, on CPU,
         # for the short sequences of sentence-level MT, forward and backward (1.2-2x up to 40 keys)
@@ -535,10 +450,7 @@ class Seq2Seq(nn.Module):
     ) -> torch.Tensor:
         """(B, T) target ids -> (B, T, D) final decoder states; with a cache, `tgt` holds only
         the new positions and is placed after the cached ones."""
-        offset = 0
-        if cache is not None:
-            offset = cache.positions()
-            cache.begin_step(tgt.shape[1])
+        offset = cache.length if cache is not None else 0
         x = self.tgt_embed(tgt, offset)
         for i, layer in enumerate(self.decoder_layers):
             x = layer(x, memory, src_mask, cache, i)
@@ -635,10 +547,6 @@ class EnsembleCache:
     def reorder(self, index: torch.Tensor, cross_index: torch.Tensor | None = None) -> None:
         for cache in self.caches:
             cache.reorder(index, cross_index)
-
-    def append_rows(self, other: EnsembleCache) -> None:
-        for cache, more in zip(self.caches, other.caches, strict=True):
-            cache.append_rows(more)
 
 
 class Ensemble(nn.Module):

@@ -1,9 +1,7 @@
 """mtx beside CTranslate2: decoding speed of one trained model on the same machine.
 
 Converts a trained mtx run to a CTranslate2 model (float32, the same weights), then decodes
-test_2016_flickr with both, greedy and beam 5, on the same number of threads: CTranslate2 in
-batches of `--batch-sentences`, mtx as `mtx eval` decodes (since stop 31 greedy as one stream of
-continuous batching per worker, at most that many sentences running at once).
+test_2016_flickr with both in the same batches, greedy and beam 5, on the same number of threads.
 Settings take turns by whole passes over the split (`--rounds` of them), not by batch: each
 engine's idle worker threads keep spinning for a while after it returns and would slow the other
 engine's next batch, so per-batch turns measure the interference more than either engine.
@@ -188,7 +186,7 @@ def main() -> None:
 
     def mtx_pass(beam: int, workers: int) -> tuple[float, list[list[int]]]:
         start = time.perf_counter()
-        out = decode_all(run.model, batches, beam, a, b, alpha, workers=workers)  # as `mtx eval`: streams
+        out = decode_all(run.model, padded, beam, a, b, alpha, workers=workers)
         return time.perf_counter() - start, out
 
     with tempfile.TemporaryDirectory() as tmp:

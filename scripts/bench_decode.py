@@ -1,13 +1,13 @@
 """Decoding speed on test_2016_flickr: greedy and beam 5, with and without the KV cache.
 
-All settings decode the same sentences, timed alternately per turn of `--turn-batches` batches
-per decoding thread (A B C D A B C D ...) so that machine noise hits them alike. "greedy" and
-"beam 5" are what `mtx eval` runs: on CPU with 2+ threads, 2 threads side by side with half the
-intra-op threads each (`decode.workers`, auto); greedy decodes each thread's share of a turn as
-one stream of continuous batching (`decode_stream`: at most one batch's sentences running at
-once, finished ones replaced from the stream), beam 5 batch by batch ("greedy, batches" and
-"beam 5, stream" the other way round); the ", 1 worker" rows run on one thread with all the
-intra-op threads. When the run's model restricts its
+All settings decode the same sentences in the same batches, timed alternately per turn of
+`--turn-batches` batches for each default decoding thread (A B C D A B C D ...) so that machine
+noise hits them alike; `mtx eval` hands all its batches to the threads at once, which a turn of
+one batch per thread (stop 30 and before) did not show: a thread that ends its batch first waits
+for the other. "greedy" and "beam 5" are
+what `mtx eval` runs: on CPU with 2+ threads, 2 threads decoding their own batches side by side
+with half the intra-op threads each (`decode.workers`, auto); the ", 1 worker" rows decode one
+batch at a time with all the threads, as mtx did before. When the run's model restricts its
 softmax to the target pieces of train (`model.restrict_output`), the same weights with the softmax
 computed over the whole vocabulary are timed beside it (cached greedy and beam 5; the other pieces
 at -inf, so the outputs stay the same), which measures what the restriction buys in decoding.
@@ -41,20 +41,15 @@ from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.cli import main as mtx_main  # noqa: E402
 from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
 from mtx.model import Seq2Seq  # noqa: E402
-from mtx.search import DECODE_STREAMS, beam_search, decode_stream, decode_workers, greedy_search, in_workers  # noqa: E402
+from mtx.search import beam_search, decode_workers, greedy_search, in_workers  # noqa: E402
 from mtx.tokenizer import EOS  # noqa: E402
 
-# name -> (beam, cache, workers); 0 workers: the default (decode.workers auto). Rows decode as
-# `mtx eval` does: cached greedy with continuous batching (`decode_stream`, at most
-# --batch-sentences sentences running in a stream), beam 5 batch by batch; "greedy, batches" and
-# "beam 5, stream" the other way round.
+# name -> (beam, cache, workers); 0 workers: the default (decode.workers auto)
 SETTINGS = {
     "greedy": (1, True, 0),
-    "greedy, batches": (1, "batches", 0),
     "greedy, 1 worker": (1, True, 1),
     "greedy, no cache": (1, False, 1),
     "beam 5": (5, True, 0),
-    "beam 5, stream": (5, "stream", 0),
     "beam 5, 1 worker": (5, True, 1),
     "beam 5, no cache": (5, False, 1),
 }
@@ -80,47 +75,28 @@ def split_batches(
 
 
 def decode_tokens(
-    model: Seq2Seq, batch: list[list[int]], beam: int, a: float, b: int, alpha: float, cache: bool = True
+    model: Seq2Seq, batch: torch.Tensor, beam: int, a: float, b: int, alpha: float, cache: bool = True
 ) -> list[list[int]]:
-    """Output ids of a batch of source ids, padded: greedy for beam 1, else the best of a beam search."""
-    src = pad_ids(batch, suffix=EOS)
+    """Output ids of a padded (B, S) batch: greedy for beam 1, else the best of a beam search."""
     if beam == 1:
-        return [h.tokens for h in greedy_search(model, src, a, b, use_cache=cache)]
-    return [h[0].tokens for h in beam_search(model, src, beam, alpha, a, b, use_cache=cache)]
+        return [h.tokens for h in greedy_search(model, batch, a, b, use_cache=cache)]
+    return [h[0].tokens for h in beam_search(model, batch, beam, alpha, a, b, use_cache=cache)]
 
 
 def decode_all(
     model: Seq2Seq,
-    batches: list[list[list[int]]],
+    batches: list[torch.Tensor],
     beam: int,
     a: float,
     b: int,
     alpha: float,
-    cache: bool | str = True,
+    cache: bool = True,
     workers: int = 0,
 ) -> list[list[int]]:
-    """The batches' sentences decoded as `mtx eval` decodes them, on `workers` decoding threads
-    (0: its default; `in_workers`): cached greedy as `DECODE_STREAMS` streams of continuous
-    batching, at most one batch's sentences running in each, the rest batch by batch
-    (`cache="batches"`: greedy batch by batch too; `cache="stream"`: beam search in streams too).
-    The output ids of every sentence, in batch order."""
-    device = torch.device("cpu")
-    if (beam == 1 and cache is True) or cache == "stream":
-        sentences = [s for batch in batches for s in batch]
-        order = [list(range(i, len(sentences), DECODE_STREAMS)) for i in range(DECODE_STREAMS)]
-        rows = max(len(batch) for batch in batches)
-
-        def stream(indices: list[int]) -> list[list[int]]:
-            part = [sentences[i] for i in indices]
-            return [hs[0].tokens for hs in decode_stream(model, part, beam, alpha, a, b, 10**9, max_rows=rows)]
-
-        out: list[list[int]] = [[] for _ in sentences]
-        for indices, hyps in zip(order, in_workers(stream, order, workers, device, model), strict=True):
-            for i, h in zip(indices, hyps, strict=True):
-                out[i] = h
-        return out
-    decode = functools.partial(decode_tokens, model, beam=beam, a=a, b=b, alpha=alpha, cache=bool(cache))
-    return [hyp for hyps in in_workers(decode, batches, workers, device, model) for hyp in hyps]
+    """`decode_tokens` over padded batches, on `workers` decoding threads as `mtx eval` runs them
+    (0: its default; `in_workers`); the output ids of every sentence, in batch order."""
+    decode = functools.partial(decode_tokens, model, beam=beam, a=a, b=b, alpha=alpha, cache=cache)
+    return [hyp for hyps in in_workers(decode, batches, workers, torch.device("cpu"), model) for hyp in hyps]
 
 
 def outside_bias(model: Seq2Seq, value: float) -> torch.Tensor:
@@ -162,7 +138,7 @@ def main() -> None:
         "--turn-batches",
         type=int,
         default=4,
-        help="batches per decoding thread that each setting decodes in one turn (greedy streams refill within a turn)",
+        help="batches per default decoding thread in each setting's turn (1: the layout before stop 31)",
     )
     parser.add_argument(
         "--rounds", type=int, default=1, help="passes over the split, each alternating the settings (seconds per pass)"
@@ -196,7 +172,7 @@ def main() -> None:
     run = load_run(run_dir)
     cfg = run.cfg
     n, id_batches = split_batches(run, args.split, args.sentences, args.batch_sentences)
-    batches = id_batches
+    batches = [pad_ids(batch, suffix=EOS) for batch in id_batches]
     a = 1.5 if args.no_length_cap else cfg.decode.max_len_a
     b = cfg.decode.max_len_b
     alpha = cfg.decode.length_penalty
@@ -218,8 +194,7 @@ def main() -> None:
         settings |= {name: (whole, beam, True, 0) for name, beam in WHOLE_VOCAB.items()}
         decode_tokens(whole, batches[0], 5, a, b, alpha)  # warm up
     decode_tokens(model, batches[0], 5, a, b, alpha)  # warm up
-    # batches per turn: --turn-batches for each of the default's threads
-    group = args.turn_batches * decode_workers(0, torch.device("cpu"))
+    group = args.turn_batches * decode_workers(0, torch.device("cpu"))  # batches per turn
     rounds: list[dict[str, float]] = []  # seconds of each setting, per pass over the split
     out_tokens = dict.fromkeys(settings, 0)
     outputs: dict[str, list[list[int]]] = {name: [] for name in settings}
@@ -238,7 +213,8 @@ def main() -> None:
 
     print(f"{run_dir}: {cfg.model.d_model}d {cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers} layers, ", end="")
     print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences), {args.threads} threads ", end="")
-    print(f"({decode_workers(0, torch.device('cpu'))} decoding threads by default, turns of {group} batches), ", end="")
+    threads = decode_workers(0, torch.device("cpu"))
+    print(f"({threads} decoding threads by default, turns of {group} batches), ", end="")
     print(f"{args.precision} weights, batches of {args.batch_sentences} sentences, max length {a}*src+{b}; ", end="")
     print(f"seconds per pass, {args.rounds} pass(es)")
     print(f"{'setting':20s} {'sent/s':>8s} {'out tok/s':>10s} {'mean len':>9s} {'seconds':>8s}")
@@ -248,19 +224,10 @@ def main() -> None:
             f"{out_tokens[name] / n:9.2f} {seconds[name]:8.2f}"
         )
     same = {
-        "greedy": outputs["greedy"]
-        == outputs["greedy, batches"]
-        == outputs["greedy, no cache"]
-        == outputs["greedy, 1 worker"],
-        "beam5": outputs["beam 5"]
-        == outputs["beam 5, stream"]
-        == outputs["beam 5, no cache"]
-        == outputs["beam 5, 1 worker"],
+        "greedy": outputs["greedy"] == outputs["greedy, no cache"] == outputs["greedy, 1 worker"],
+        "beam5": outputs["beam 5"] == outputs["beam 5, no cache"] == outputs["beam 5, 1 worker"],
     }
-    print(
-        f"cached == uncached == 1-worker == batches / stream outputs: greedy {same['greedy']}, beam 5 {same['beam5']}",
-        end="",
-    )
+    print(f"cached == uncached == 1-worker outputs: greedy {same['greedy']}, beam 5 {same['beam5']}", end="")
     # with bf16 weights the cached steps attend in float32 (`Attention.forward`), uncached ones in bf16
     print(" (bf16: cached steps attend in float32, uncached ones in bf16)" if args.precision == "bf16" else "")
     bf16: dict[str, float] = {}
@@ -291,11 +258,6 @@ def main() -> None:
                 "beam5_sent_per_s": round(n / seconds["beam 5"], 2),
                 "greedy_tok_per_s": round(out_tokens["greedy"] / seconds["greedy"], 1),
                 "beam5_tok_per_s": round(out_tokens["beam 5"] / seconds["beam 5"], 1),
-                "greedy_tok_per_s_batches": round(out_tokens["greedy"] / seconds["greedy, batches"], 1),
-                "beam5_tok_per_s_stream": round(out_tokens["beam 5"] / seconds["beam 5, stream"], 1),
-                # continuous batching against the same sentences decoded batch by batch, default workers
-                "greedy_stream_speedup": round(seconds["greedy, batches"] / seconds["greedy"], 3),
-                "beam5_stream_speedup": round(seconds["beam 5"] / seconds["beam 5, stream"], 3),
                 "greedy_tok_per_s_1_worker": round(out_tokens["greedy"] / seconds["greedy, 1 worker"], 1),
                 "beam5_tok_per_s_1_worker": round(out_tokens["beam 5"] / seconds["beam 5, 1 worker"], 1),
                 # the cache on its own: both sides decode one batch at a time

@@ -38,13 +38,10 @@ def test_bench_decode_times_the_whole_vocabulary_beside_a_restricted_softmax(tin
 
 
 def test_bench_decode_adds_no_whole_vocabulary_rows_to_a_whole_vocabulary_run(tiny_run: Path) -> None:
-    lines, result = _bench(tiny_run, "--rounds", "2")
+    lines, result = _bench(tiny_run, "--rounds", "2", "--turn-batches", "1")
     assert result["cached_equals_uncached"] == {"greedy": True, "beam5": True}
     assert len(result["beam5_slowdown_vs_greedy_per_round"]) == 2
-    assert result["greedy_stream_speedup"] > 0 and result["beam5_stream_speedup"] > 0
-    assert any(line.startswith("greedy, batches") for line in lines)
-    assert any(line.startswith("beam 5, stream") for line in lines)
-    assert "2 pass(es)" in lines[0]
+    assert "2 pass(es)" in lines[0] and "turns of" in lines[0]
     assert result["restricted_output_speedup"] is None and result["restricted_output_identical"] is None
     assert not any("whole vocab" in line for line in lines)
     # bf16 rows (--precision bf16) exactly where the CPU has native bf16

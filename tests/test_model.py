@@ -73,47 +73,6 @@ def test_cached_and_uncached_decoder_logits_agree(pre_norm: bool) -> None:
     assert torch.allclose(torch.cat([first, rest], dim=1), full, atol=1e-5)
 
 
-@pytest.mark.parametrize("pre_norm", [True, False])
-def test_rows_that_join_a_cache_later_decode_as_alone(pre_norm: bool) -> None:
-    """Continuous batching (`KVCache.append_rows`): a sentence whose first steps ran in its own
-    cache joins rows that have decoded more positions over a shorter source; every row's next
-    logits equal those of decoding it alone, and once the longer rows leave, the padding before
-    the remaining rows' positions is dropped."""
-    model = _model(pre_norm)
-    first_src, joining_src = [5, 6, 7], [10, 11, 12, 13, 14, 15]  # the joining row has the wider source
-    tgts = [[BOS, 20, 21, 22, 23, 24], [BOS, 30, 31]]  # 6 and 3 positions
-
-    def alone(src: list[int], tgt: list[int]) -> torch.Tensor:
-        s = pad_ids([src], suffix=EOS)
-        mask = make_src_mask(s)
-        return model.decode(torch.tensor([tgt]), model.encode(s, mask), mask)[0]  # (T, V)
-
-    want = [alone(first_src, tgts[0]), alone(joining_src, tgts[1])]
-    caches, masks = [], []
-    for src, n in ((first_src, 4), (joining_src, 1)):  # the first row has run 4 steps, the joining one 1
-        s = pad_ids([src], suffix=EOS)
-        mask = make_src_mask(s)
-        cache = model.new_cache()
-        memory = model.encode(s, mask)
-        for t in range(n):
-            model.decode(torch.tensor([tgts[len(caches)][t : t + 1]]), memory, mask, cache)
-        caches.append(cache)
-        masks.append(mask)
-    cache = caches[0]
-    cache.append_rows(caches[1])
-    width = max(m.shape[-1] for m in masks)
-    mask = torch.cat([torch.cat([m, m.new_zeros(1, 1, 1, width - m.shape[-1])], dim=-1) for m in masks])
-    no_memory = torch.empty(0, 0, 32)
-    assert cache.lengths.tolist() == [4, 1]
-    for t in range(2):  # positions 4, 5 of the first row; 1, 2 of the second
-        step = torch.tensor([[tgts[0][4 + t]], [tgts[1][1 + t]]])
-        logits = model.decode(step, no_memory, mask, cache)[:, 0]
-        assert torch.allclose(logits[0], want[0][4 + t], atol=1e-5)
-        assert torch.allclose(logits[1], want[1][1 + t], atol=1e-5)
-    cache.reorder(torch.tensor([1]), torch.tensor([1]))  # the longer row leaves
-    assert cache.length == 3 and cache.lengths.tolist() == [3]
-
-
 @pytest.mark.parametrize("float32_self", [False, True])
 def test_bf16_decoding_attends_in_float32(float32_self: bool) -> None:
     """A model cast to bf16 decodes with float32 cross-attention keys/values in the cache (its

@@ -119,26 +119,6 @@ def test_batched_equals_one_at_a_time(run: LoadedRun, src_ids: list[list[int]], 
     assert [h[0].tokens for h in small_batches] == [h[0].tokens for h in batched]
 
 
-@pytest.mark.parametrize("max_rows", [1, 3, 8])
-@pytest.mark.parametrize("beam", [1, 4])
-def test_continuous_batching_equals_separate_batches(
-    run: LoadedRun, src_ids: list[list[int]], beam: int, max_rows: int
-) -> None:
-    """`decode_stream` refills its running batch as sentences end (sources wider and narrower
-    than the running ones: input order) and gives each sentence the n-best list of decoding it
-    alone, scores included."""
-    stream = search.decode_stream(run.model, src_ids, beam, 1.0, 1.2, 10, 100_000, max_rows=max_rows, nbest=beam)
-    if beam == 1:
-        alone = [greedy_search(run.model, _batch([s]), 1.2, 10) for s in src_ids]
-    else:
-        alone = [beam_search(run.model, _batch([s]), beam, 1.0, 1.2, 10, nbest=beam)[0] for s in src_ids]
-    assert [[h.tokens for h in hs] for hs in stream] == [[h.tokens for h in hs] for hs in alone]
-    scores = [h.score for hs in stream for h in hs]
-    assert scores == pytest.approx([h.score for hs in alone for h in hs], abs=1e-4)
-    tight = search.decode_stream(run.model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=30)  # rows * width <= 30
-    assert [hs[0].tokens for hs in tight] == [hs[0].tokens for hs in alone]
-
-
 @pytest.mark.parametrize("beam", [1, 5])
 def test_decoding_threads_change_no_output(run: LoadedRun, src_ids: list[list[int]], beam: int) -> None:
     """Batches decoded by threads side by side (`workers`, at most torch's threads) come back in
