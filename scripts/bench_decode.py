@@ -4,13 +4,13 @@ All settings decode the same sentences in the same batches, timed alternately pe
 `--turn-batches` batches for each default decoding thread (A B C D A B C D ...) so that machine
 noise hits them alike; `mtx eval` hands all its batches to the threads at once, which a turn of
 one batch per thread (stop 30 and before) did not show: a thread that ends its batch first waits
-for the other. "greedy" and "beam 5" are
-what `mtx eval` runs: on CPU with 2+ threads, 2 threads decoding their own batches side by side
-with half the intra-op threads each (`decode.workers`, auto); the ", 1 worker" rows decode one
-batch at a time with all the threads, as mtx did before. When the run's model restricts its
-softmax to the target pieces of train (`model.restrict_output`), the same weights with the softmax
-computed over the whole vocabulary are timed beside it (cached greedy and beam 5; the other pieces
-at -inf, so the outputs stay the same), which measures what the restriction buys in decoding.
+for the other. "greedy" and "beam 5" are what `mtx eval` runs: on CPU with 2+ threads, 2 threads
+decoding their own batches side by side with half the intra-op threads each (`decode.workers`,
+auto); the ", 1 worker" rows decode one batch at a time with all the threads, as mtx did before.
+When the run's model restricts its softmax to the target pieces of train
+(`model.restrict_output`), the same weights with the softmax computed over the whole vocabulary
+are timed beside it (cached greedy and beam 5; the other pieces at -inf, so the outputs stay the
+same), which measures what the restriction buys in decoding.
 On a CPU with native bf16 (AVX-512 BF16, AMX), the same weights cast to bf16 (`--precision bf16`)
 are timed beside them too (cached greedy and beam 5).
 Without `--run`, a run is trained first (tiny config unless `--config` is given; `--set`
@@ -194,7 +194,8 @@ def main() -> None:
         settings |= {name: (whole, beam, True, 0) for name, beam in WHOLE_VOCAB.items()}
         decode_tokens(whole, batches[0], 5, a, b, alpha)  # warm up
     decode_tokens(model, batches[0], 5, a, b, alpha)  # warm up
-    group = args.turn_batches * decode_workers(0, torch.device("cpu"))  # batches per turn
+    threads = decode_workers(0, torch.device("cpu"))  # the default's decoding threads
+    group = args.turn_batches * threads  # batches per turn
     rounds: list[dict[str, float]] = []  # seconds of each setting, per pass over the split
     out_tokens = dict.fromkeys(settings, 0)
     outputs: dict[str, list[list[int]]] = {name: [] for name in settings}
@@ -213,7 +214,6 @@ def main() -> None:
 
     print(f"{run_dir}: {cfg.model.d_model}d {cfg.model.n_encoder_layers}+{cfg.model.n_decoder_layers} layers, ", end="")
     print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences), {args.threads} threads ", end="")
-    threads = decode_workers(0, torch.device("cpu"))
     print(f"({threads} decoding threads by default, turns of {group} batches), ", end="")
     print(f"{args.precision} weights, batches of {args.batch_sentences} sentences, max length {a}*src+{b}; ", end="")
     print(f"seconds per pass, {args.rounds} pass(es)")
