@@ -66,6 +66,8 @@ def test_cached_and_uncached_decoder_logits_agree(pre_norm: bool) -> None:
     cache = model.new_cache()
     steps = [model.decode(tgt[:, t : t + 1], memory, mask, cache) for t in range(tgt.shape[1])]
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
+    # cross-attention keys/values cached contiguous: later steps read them without a copy
+    assert all(t.is_contiguous() for kv in cache.cross_kv if kv is not None for t in kv)
     # several new positions after a cached prefix
     cache = model.new_cache()
     first = model.decode(tgt[:, :2], memory, mask, cache)
@@ -94,7 +96,7 @@ def test_bf16_decoding_attends_in_float32(float32_self: bool) -> None:
         (cache.self_kv, torch.float32 if float32_self else torch.bfloat16),
     ):
         for kv in kvs:
-            assert kv is not None and all(t.dtype == dtype for t in kv)
+            assert kv is not None and all(t.dtype == dtype and t.is_contiguous() for t in kv)
     uncached = half.decode(tgt, memory, mask)
     scale = want.abs().max()
     assert (steps.float() - want).abs().max() < 0.05 * scale
