@@ -247,14 +247,8 @@ class Attention(nn.Module):
         length = x.shape[1]
         if cache is not None and length == 1 and not self.training:
             return self._step(x, memory, mask, cache, layer)
-        # decoding with bf16/fp16 weights on CPU: cross-attention runs in float32 over cached
-        # float32 keys/values (CPU's 16-bit batched products of a decoding step's small shapes
-        # are ~3x slower: 140 against 44 us for 64 rows x 4 heads x 20 keys). Self-attention
-        # too where the cache asks (greedy); beam search copies its self-attention cache at
-        # every step, twice the bytes in float32 (5% slower), so there it stays 16-bit.
-        decoding_16bit_cpu = cache is not None and x.device.type == "cpu" and x.dtype != torch.float32
+        attn_dtype = self._attention_dtype(x, cache)
         if self.cross:
-            attn_dtype = torch.float32 if decoding_16bit_cpu else x.dtype
             (q,) = self._heads(self.q_proj(x).to(attn_dtype), 1)
             k, v = (
                 self._cross_kv(memory, cache, layer, attn_dtype)
@@ -265,7 +259,6 @@ class Attention(nn.Module):
             if group > 1:  # beam search: the `group` beams of a sentence share its memory
                 return self._merge_heads(_grouped_attention(q, k, v, mask, group), x)
         else:
-            attn_dtype = torch.float32 if decoding_16bit_cpu and cache.float32_self else x.dtype
             q, k, v = self._heads(self.qkv_proj(x).to(attn_dtype), 3)  # (B, H, L, Dh) each
             if cache is not None:
                 prefix = cache.self_kv[layer] is not None
@@ -289,6 +282,17 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
             )  # (B, H, L, Dh)
         return self._merge_heads(y, x)
+
+    def _attention_dtype(self, x: torch.Tensor, cache: KVCache | None) -> torch.dtype:
+        """The dtype attention runs in: `x`'s, except when decoding with bf16/fp16 weights on
+        CPU, where cross-attention runs in float32 over cached float32 keys/values (CPU's 16-bit
+        batched products of a decoding step's small shapes are ~3x slower: 140 against 44 us for
+        64 rows x 4 heads x 20 keys), and self-attention too where the cache asks (greedy); beam
+        search copies its self-attention cache at every step, twice the bytes in float32 (5%
+        slower), so there it stays 16-bit."""
+        if cache is None or x.device.type != "cpu" or x.dtype == torch.float32:
+            return x.dtype
+        return torch.float32 if self.cross or cache.float32_self else x.dtype
 
     def _cross_kv(
         self, memory: torch.Tensor | None, cache: KVCache, layer: int, dtype: torch.dtype
@@ -315,9 +319,8 @@ class Attention(nn.Module):
         b, _, d = x.shape
         heads = self.n_heads
         dh = d // heads
-        decoding_16bit_cpu = x.device.type == "cpu" and x.dtype != torch.float32
+        attn_dtype = self._attention_dtype(x, cache)
         if self.cross:
-            attn_dtype = torch.float32 if decoding_16bit_cpu else x.dtype
             k, v = self._cross_kv(memory, cache, layer, attn_dtype)
             n, _, s, _ = k.shape
             if cache.cross_bias is None:
@@ -332,12 +335,12 @@ class Attention(nn.Module):
             kt = k.view(n * heads, s, dh).transpose(1, 2)
             scores = torch.baddbmm(cache.cross_bias.view(n * heads, 1, s), q, kt, alpha=dh**-0.5)
         else:
-            attn_dtype = torch.float32 if decoding_16bit_cpu and cache.float32_self else x.dtype
             q, k, v = self._heads(self.qkv_proj(x).to(attn_dtype), 3)  # (B, H, 1, Dh) each
             k, v = cache.extend(layer, k, v)  # (B, H, t, Dh)
             n, s, group = b, k.shape[2], 1
             kt = k.reshape(n * heads, s, dh).transpose(1, 2)
-            scores = torch.baddbmm(_zero(kt), q.reshape(n * heads, 1, dh), kt, beta=0.0, alpha=dh**-0.5)
+            q = q.reshape(n * heads, 1, dh)
+            scores = torch.baddbmm(_zero(kt.dtype, kt.device), q, kt, beta=0.0, alpha=dh**-0.5)
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # (n*H, G, S)
         y = torch.bmm(probs, v.reshape(n * heads, s, dh))  # (n*H, G, Dh)
         if group > 1:
@@ -350,14 +353,10 @@ class Attention(nn.Module):
 
 
 @functools.cache
-def _zero_of(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim zero of that dtype and device, made once: the ignored input of a `baddbmm`
+    with beta 0."""
     return torch.zeros((), dtype=dtype, device=device)
-
-
-def _zero(like: torch.Tensor) -> torch.Tensor:
-    """A 0-dim zero of `like`'s dtype and device, made once: the ignored input of a
-    `baddbmm` with beta 0."""
-    return _zero_of(like.dtype, like.device)
 
 
 def _causal_mask(length: int, total: int, device: torch.device) -> torch.Tensor:
