@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtx import __version__
+from mtx.config import STOPS
 from mtx.errors import MtxError
 
 if TYPE_CHECKING:
@@ -64,6 +65,12 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
         help="threads decoding batches side by side, sharing --threads (default: decode.workers; 0: auto)",
     )
     p.add_argument("--no-cache", action="store_true", help="recompute the decoder over the whole prefix each step")
+    p.add_argument(
+        "--stop",
+        choices=STOPS,
+        help="beam search's stop (default: decode.stop): exact, once no running hypothesis can beat the best "
+        "finished one; finished, once --beam hypotheses have finished (fairseq's rule: faster, may score lower)",
+    )
     p.add_argument(
         "--precision",
         choices=("fp32", "bf16"),
@@ -249,6 +256,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
         nbest=args.nbest,
         use_cache=not args.no_cache,
         workers=workers,
+        stop=args.stop or dc.stop,
     )
     out = sys.stdout
     for i, h in enumerate(hyps):
@@ -271,6 +279,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     run = _load(args)
     cfg = run.cfg
     beam, alpha, batch_tokens, workers = _decode_settings(args, cfg.decode)
+    stop = args.stop or cfg.decode.stop
     if args.src is not None:
         src, ref = read_parallel(args.src, args.ref)
         name = args.src.name.removesuffix(".gz")
@@ -293,8 +302,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         batch_tokens,
         use_cache=not args.no_cache,
         workers=workers,
+        stop=stop,
     )
-    output = args.output or args.run / "eval" / f"{name}.beam{beam}.{cfg.data.tgt_lang}"
+    stop_tag = ".finished" if beam > 1 and stop == "finished" else ""  # the exact stop's file stays as it was
+    output = args.output or args.run / "eval" / f"{name}.beam{beam}{stop_tag}.{cfg.data.tgt_lang}"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text("".join(t + "\n" for t in text), encoding="utf-8")
     scores = corpus_scores(text, ref)
@@ -302,6 +313,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "split": name,
         "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}",
         "beam": beam,
+        "stop": stop,
         "precision": _precision(args, cfg),
         "sentences": len(src),
         **scores.as_dict(),
@@ -315,7 +327,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0
     print(
-        f"{name} {result['direction']} beam {beam}, {result['precision']} "
+        f"{name} {result['direction']} beam {beam}{', stop ' + stop if stop_tag else ''}, {result['precision']} "
         f"({len(src)} sentences, {', '.join(map(str, run.checkpoints))})"
     )
     print(f"BLEU {scores.bleu:6.2f}  {scores.bleu_signature}")

@@ -99,6 +99,9 @@ class TrainConfig:
     max_bad_steps: int = 10  # consecutive non-finite steps before training stops
 
 
+STOPS = ("exact", "finished")  # decode.stop, beam search's stopping rules (mtx.search.beam_search)
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Search settings used by translate/eval and validation."""
@@ -110,6 +113,10 @@ class DecodeConfig:
     batch_tokens: int = 4000  # decode batch budget in source tokens
     workers: int = 0  # threads decoding batches side by side, sharing torch's; 0: auto (2 on CPU with 2+ threads)
     precision: str = "fp32"  # fp32 | bf16: the weights' type in translate/eval (validation decodes in fp32)
+    # beam search's stop: exact (once no running hypothesis can beat the best finished ones: the
+    # output of running to the length cap) | finished (once `beam` hypotheses have finished, as
+    # fairseq stops: faster, and may miss a better hypothesis still running)
+    stop: str = "exact"
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "train.schedule": ("inverse_sqrt", "noam", "constant", "linear"),
     "train.amp": ("auto", "bf16", "fp16", "fp32"),
     "decode.precision": ("fp32", "bf16"),
+    "decode.stop": STOPS,
     "train.optimizer": ("adam", "adamw"),
 }
 _POSITIVE = {

@@ -16,6 +16,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+from mtx.config import STOPS
 from mtx.data import pad_ids
 from mtx.model import Ensemble, EnsembleCache, KVCache, Seq2Seq, make_src_mask
 from mtx.tokenizer import BOS, BPE, EOS, PAD
@@ -205,6 +206,7 @@ def beam_search(
     max_len_b: int,
     nbest: int = 1,
     use_cache: bool = True,
+    stop: str = "exact",
 ) -> list[list[Hypothesis]]:
     """Batched beam search of a (B, S) batch; per sentence the `nbest` best hypotheses.
 
@@ -215,9 +217,16 @@ def beam_search(
     its current log-probability over the largest length penalty it could reach. (Waiting for
     `beam` finished hypotheses when fewer are returned would only decode rows that cannot
     change the result.)
+
+    With `stop="finished"` a sentence stops instead once `beam` hypotheses have finished, as
+    fairseq does: they are among those a search run to the length cap finishes, so its best
+    scores at most the exact one (tests/test_search.py); on the models measured it decoded
+    1.1-1.35x faster and gave the exact output for 93-95% of sentences (docs/speed.md).
     """
     if not 1 <= nbest <= beam:
         raise ValueError(f"nbest ({nbest}) must lie in 1..beam ({beam})")
+    if stop not in STOPS:
+        raise ValueError(f"stop must be one of {', '.join(STOPS)}, got {stop!r}")
     k = beam
     n = src.shape[0]
     device = src.device
@@ -266,9 +275,12 @@ def beam_search(
         best_alive = scores[:, 0].tolist()
         keep = []
         for i, sent in enumerate(sentences):
-            done = len(finished[sent]) >= nbest and _cannot_improve(
-                finished[sent], nbest, best_alive[i], max_lens[sent], step, alpha
-            )
+            if stop == "finished":
+                done = len(finished[sent]) >= k
+            else:
+                done = len(finished[sent]) >= nbest and _cannot_improve(
+                    finished[sent], nbest, best_alive[i], max_lens[sent], step, alpha
+                )
             if not done and step < max_lens[sent]:
                 keep.append(i)
         if len(keep) < m:
@@ -329,6 +341,7 @@ def translate_ids(
     device: torch.device | None = None,
     use_cache: bool = True,
     workers: int = 0,
+    stop: str = "exact",
 ) -> list[list[Hypothesis]]:
     """Decode many tokenised sentences (without EOS) in length-sorted batches; input order kept.
 
@@ -350,7 +363,7 @@ def translate_ids(
         src = pad_ids([src_ids[todo[j]] for j in batch], suffix=EOS).to(device)
         if beam == 1:
             return [[h] for h in greedy_search(model, src, max_len_a, max_len_b, use_cache)]
-        return beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, use_cache)
+        return beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, use_cache, stop)
 
     batches = _decode_batches([len(src_ids[i]) + 1 for i in todo], batch_tokens)
     for batch, hyps in zip(batches, in_workers(decode, batches, workers, device, model), strict=True):
@@ -407,12 +420,24 @@ def translate(
     device: torch.device | None = None,
     use_cache: bool = True,
     workers: int = 0,
+    stop: str = "exact",
 ) -> list[str]:
     """1-best translations of token-id sentences as detokenised text, order kept.
 
     What `mtx eval`, validation during training and scripts/choose_on_val.py score, so all
     three turn ids into text the same way."""
     hyps = translate_ids(
-        model, src_ids, beam, alpha, max_len_a, max_len_b, batch_tokens, 1, device, use_cache=use_cache, workers=workers
+        model,
+        src_ids,
+        beam,
+        alpha,
+        max_len_a,
+        max_len_b,
+        batch_tokens,
+        1,
+        device,
+        use_cache=use_cache,
+        workers=workers,
+        stop=stop,
     )
     return tgt_tok.decode_batch([h[0].tokens for h in hyps])

@@ -13,7 +13,8 @@ When the run's model restricts its softmax to the target pieces of train
 are timed beside it (cached greedy and beam 5; the other pieces at -inf, so the outputs stay the
 same), which measures what the restriction buys in decoding.
 On a CPU with native bf16 (AVX-512 BF16, AMX), the same weights cast to bf16 (`--precision bf16`)
-are timed beside them too (cached greedy and beam 5).
+are timed beside them too (cached greedy and beam 5). "beam 5, stop finished" is beam 5 with
+fairseq's stop (`decode.stop: finished`: once 5 hypotheses have finished) instead of the exact one.
 Without `--run`, a run is trained first (tiny config unless `--config` is given; `--set`
 overrides apply to it). `--rounds N` makes N such passes over the split and reports seconds per
 pass (one pass of a 2-core machine shared with others moved the beam/greedy ratio by 0.5 between
@@ -76,12 +77,19 @@ def split_batches(
 
 
 def decode_tokens(
-    model: Seq2Seq, batch: torch.Tensor, beam: int, a: float, b: int, alpha: float, cache: bool = True
+    model: Seq2Seq,
+    batch: torch.Tensor,
+    beam: int,
+    a: float,
+    b: int,
+    alpha: float,
+    cache: bool = True,
+    stop: str = "exact",
 ) -> list[list[int]]:
     """Output ids of a padded (B, S) batch: greedy for beam 1, else the best of a beam search."""
     if beam == 1:
         return [h.tokens for h in greedy_search(model, batch, a, b, use_cache=cache)]
-    return [h[0].tokens for h in beam_search(model, batch, beam, alpha, a, b, use_cache=cache)]
+    return [h[0].tokens for h in beam_search(model, batch, beam, alpha, a, b, use_cache=cache, stop=stop)]
 
 
 def decode_all(
@@ -93,10 +101,11 @@ def decode_all(
     alpha: float,
     cache: bool = True,
     workers: int = 0,
+    stop: str = "exact",
 ) -> list[list[int]]:
     """`decode_tokens` over padded batches, on `workers` decoding threads as `mtx eval` runs them
     (0: its default; `in_workers`); the output ids of every sentence, in batch order."""
-    decode = functools.partial(decode_tokens, model, beam=beam, a=a, b=b, alpha=alpha, cache=cache)
+    decode = functools.partial(decode_tokens, model, beam=beam, a=a, b=b, alpha=alpha, cache=cache, stop=stop)
     return [hyp for hyps in in_workers(decode, batches, workers, torch.device("cpu"), model) for hyp in hyps]
 
 
@@ -183,16 +192,18 @@ def main() -> None:
     # the process moved a setting's rate by up to 1.35x in stop 29: docs/speed.md)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     model = run.model.to(dtype)
-    # name -> (model, beam, cache, workers)
-    settings = {name: (model, *setting) for name, setting in SETTINGS.items()}
+    # name -> (model, beam, cache, workers, stop)
+    settings = {name: (model, *setting, "exact") for name, setting in SETTINGS.items()}
+    # fairseq's stop beside the exact one (`decode.stop: finished`, once 5 hypotheses have finished)
+    settings["beam 5, stop finished"] = (model, 5, True, 0, "finished")
     mixed_bf16 = native_bf16 and args.precision == "fp32"
     if mixed_bf16:  # two bf16 rows beside the fp32 ones (emulated, so not timed, elsewhere)
         half = copy.deepcopy(run.model).to(torch.bfloat16)
-        settings |= {name: (half, beam, True, 0) for name, beam in BF16.items()}
+        settings |= {name: (half, beam, True, 0, "exact") for name, beam in BF16.items()}
         decode_tokens(half, batches[0], 5, a, b, alpha)  # warm up
     if run.model.output_ids is not None:
         whole = WholeVocabulary(run).to(dtype)
-        settings |= {name: (whole, beam, True, 0) for name, beam in WHOLE_VOCAB.items()}
+        settings |= {name: (whole, beam, True, 0, "exact") for name, beam in WHOLE_VOCAB.items()}
         decode_tokens(whole, batches[0], 5, a, b, alpha)  # warm up
     decode_tokens(model, batches[0], 5, a, b, alpha)  # warm up
     threads = decode_workers(0, torch.device("cpu"))  # the default's decoding threads
@@ -209,9 +220,9 @@ def main() -> None:
             # the order reversed every other turn (A B C D, D C B A, ...): in a fixed order the
             # setting that follows another ran up to 1.06x faster than the same code before it (stop 32)
             for name in names if turns % 2 == 0 else names[::-1]:
-                model, beam, cache, workers = settings[name]
+                model, beam, cache, workers, stop = settings[name]
                 start = time.perf_counter()
-                hyps = decode_all(model, turn, beam, a, b, alpha, cache, workers)
+                hyps = decode_all(model, turn, beam, a, b, alpha, cache, workers, stop)
                 rounds[-1][name] += time.perf_counter() - start
                 if r == 0:  # decoding is deterministic: the first pass's outputs stand for all
                     out_tokens[name] += sum(len(h) + 1 for h in hyps)  # + EOS
@@ -237,6 +248,12 @@ def main() -> None:
     print(f"cached == uncached == 1-worker outputs: greedy {same['greedy']}, beam 5 {same['beam5']}", end="")
     # with bf16 weights the cached steps attend in float32 (`Attention.forward`), uncached ones in bf16
     print(" (bf16: cached steps attend in float32, uncached ones in bf16)" if args.precision == "bf16" else "")
+    finished_same = sum(x == y for x, y in zip(outputs["beam 5"], outputs["beam 5, stop finished"], strict=True))
+    finished_ratio = seconds["beam 5, stop finished"] / seconds["greedy"]
+    print(
+        f"beam 5, stop finished (decode.stop): {seconds['beam 5'] / seconds['beam 5, stop finished']:.3f}x the exact "
+        f"stop's speed, {finished_ratio:.2f}x slower than greedy, outputs identical for {finished_same} of {n}"
+    )
     bf16: dict[str, float] = {}
     if mixed_bf16:
         for key, fp32, half_name in (("greedy", "greedy", "greedy, bf16"), ("beam5", "beam 5", "beam 5, bf16")):
@@ -273,6 +290,11 @@ def main() -> None:
                 "beam5_slowdown_vs_greedy": round(seconds["beam 5"] / seconds["greedy"], 3),
                 "beam5_slowdown_vs_greedy_per_round": [round(t["beam 5"] / t["greedy"], 3) for t in rounds],
                 "cached_equals_uncached": same,
+                "beam5_stop_finished": {
+                    "tok_per_s": round(out_tokens["beam 5, stop finished"] / seconds["beam 5, stop finished"], 1),
+                    "slowdown_vs_greedy": round(finished_ratio, 3),
+                    "identical": round(finished_same / n, 4),
+                },
                 "precision": args.precision,
                 "bf16": bf16 or None,  # the two bf16 rows of an fp32 run, where the CPU has native bf16
                 "restricted_output_speedup": restricted or None,

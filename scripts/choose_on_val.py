@@ -67,7 +67,16 @@ def val_bleu(
     dc = run.cfg.decode
     beam = beam or dc.beam
     text = translate(
-        model, run.tgt_tok, src_ids, beam, alpha, dc.max_len_a, dc.max_len_b, dc.batch_tokens, workers=dc.workers
+        model,
+        run.tgt_tok,
+        src_ids,
+        beam,
+        alpha,
+        dc.max_len_a,
+        dc.max_len_b,
+        dc.batch_tokens,
+        workers=dc.workers,
+        stop=dc.stop,
     )
     return corpus_scores(text, refs).bleu
 

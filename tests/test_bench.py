@@ -35,6 +35,10 @@ def test_bench_decode_times_the_whole_vocabulary_beside_a_restricted_softmax(tin
     assert all(share >= 0.9 for share in result["restricted_output_identical"].values())
     assert any(line.startswith("beam 5, whole vocab") for line in lines)
     assert any(line.startswith("restricted softmax:") for line in lines)
+    # fairseq's stop timed beside the exact one
+    finished = result["beam5_stop_finished"]
+    assert finished["tok_per_s"] > 0 and finished["slowdown_vs_greedy"] > 0 and 0 <= finished["identical"] <= 1
+    assert any(line.startswith("beam 5, stop finished") for line in lines)
 
 
 def test_bench_decode_adds_no_whole_vocabulary_rows_to_a_whole_vocabulary_run(tiny_run: Path) -> None:

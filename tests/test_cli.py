@@ -64,6 +64,11 @@ def test_train_translate_eval_round_trip(tmp_path: Path, small_data: Path) -> No
     hyp_file = run_dir / "eval" / "test_2016_flickr.beam2.en"
     assert len(hyp_file.read_text().splitlines()) == 100
 
+    r = mtx("eval", "--run", str(run_dir), "--beam", "2", "--stop", "finished", "--json")
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads(r.stdout)["stop"] == "finished"
+    assert len((run_dir / "eval" / "test_2016_flickr.beam2.finished.en").read_text().splitlines()) == 100
+
     src, ref = str(small_data / "val.de"), str(small_data / "val.en")
     r = mtx("eval", "--run", str(run_dir), "--src", src, "--ref", ref, "--json")
     result = json.loads(r.stdout.decode())

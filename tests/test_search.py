@@ -209,6 +209,25 @@ def test_stopping_at_the_nbest_th_finished_hypothesis_changes_no_output(
     assert rows[1] < rows[0]
 
 
+@pytest.mark.parametrize("nbest", [1, 5])
+def test_the_finished_stop_scores_at_most_the_exact_stop(run: LoadedRun, src_ids: list[list[int]], nbest: int) -> None:
+    """`stop="finished"` (fairseq's rule: stop once `beam` hypotheses have finished) keeps the
+    hypotheses a search run to the length cap finishes by then: sorted n-best lists whose best
+    scores at most the exact stop's best, the same output whether decoded in one batch or alone."""
+    src = _batch(src_ids)
+    exact = beam_search(run.model, src, 5, 1.4, 1.2, 10, nbest=nbest)
+    finished = beam_search(run.model, src, 5, 1.4, 1.2, 10, nbest=nbest, stop="finished")
+    for e, f in zip(exact, finished, strict=True):
+        assert len(f) == nbest and [h.score for h in f] == sorted((h.score for h in f), reverse=True)
+        assert f[0].score <= e[0].score + 1e-5
+        for h in f:  # score is the length-normalised log-probability
+            assert h.score == pytest.approx(h.log_prob / length_penalty(len(h.tokens) + 1, 1.4), abs=1e-5)
+    single = [beam_search(run.model, _batch([s]), 5, 1.4, 1.2, 10, nbest=nbest, stop="finished")[0] for s in src_ids]
+    assert [[h.tokens for h in hyps] for hyps in single] == [[h.tokens for h in hyps] for hyps in finished]
+    with pytest.raises(ValueError, match="stop must be one of"):
+        beam_search(run.model, src, 5, 1.4, 1.2, 10, stop="early")
+
+
 def test_output_length_cap_and_empty_input(run: LoadedRun, src_ids: list[list[int]]) -> None:
     hyps = translate_ids(run.model, [[], *src_ids[:5]], 3, 1.0, 0.0, 3, 100_000)
     assert hyps[0][0].tokens == []
