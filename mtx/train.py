@@ -11,6 +11,7 @@ writes the run directory.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import logging
 import math
@@ -1192,7 +1193,15 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
             trainer = Trainer(cfg, run_dir, resume, corpus, ranks)
             if resume and ranks.is_main:  # record --set changes, now that the checkpoint has been restored
                 ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
-            return trainer.fit(stop)
+            try:
+                return trainer.fit(stop)
+            finally:
+                # DDP's reducer holds the process group: free it (and any reference cycle through
+                # it) here, so the group's threads end inside destroy_process_group below and not at
+                # interpreter exit, where a rank could abort ("terminate called without an active
+                # exception") after training had finished
+                del trainer
+                gc.collect()
     finally:
         if handler is not None:
             logging.getLogger().removeHandler(handler)
