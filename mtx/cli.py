@@ -188,11 +188,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _decode_settings(args: argparse.Namespace, cfg_decode: object) -> tuple[int, float, int, int]:
+def _decode_settings(args: argparse.Namespace, cfg_decode: object) -> tuple[int, float, int, int, str]:
     beam = args.beam if args.beam is not None else cfg_decode.beam  # type: ignore[attr-defined]
     alpha = args.length_penalty if args.length_penalty is not None else cfg_decode.length_penalty  # type: ignore[attr-defined]
     batch_tokens = args.batch_tokens if args.batch_tokens is not None else cfg_decode.batch_tokens  # type: ignore[attr-defined]
     workers = args.workers if args.workers is not None else cfg_decode.workers  # type: ignore[attr-defined]
+    stop = args.stop or cfg_decode.stop  # type: ignore[attr-defined]
     if beam < 1:
         raise MtxError(f"--beam must be >= 1, got {beam}")
     if alpha < 0:
@@ -201,7 +202,7 @@ def _decode_settings(args: argparse.Namespace, cfg_decode: object) -> tuple[int,
         raise MtxError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     if workers < 0:
         raise MtxError(f"--workers must be >= 0 (0: auto), got {workers}")
-    return beam, alpha, batch_tokens, workers
+    return beam, alpha, batch_tokens, workers, stop
 
 
 def _precision(args: argparse.Namespace, cfg: Config) -> str:
@@ -241,7 +242,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
             raise MtxError(f"TEXT argument {i} is not valid UTF-8; re-encode it as UTF-8") from None
     texts = [t.strip() for t in texts]
     run = _load(args)
-    beam, alpha, batch_tokens, workers = _decode_settings(args, run.cfg.decode)
+    beam, alpha, batch_tokens, workers, stop = _decode_settings(args, run.cfg.decode)
     if not 1 <= args.nbest <= beam:
         raise MtxError(f"--nbest must be between 1 and --beam ({beam}), got {args.nbest}")
     dc = run.cfg.decode
@@ -256,7 +257,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
         nbest=args.nbest,
         use_cache=not args.no_cache,
         workers=workers,
-        stop=args.stop or dc.stop,
+        stop=stop,
     )
     out = sys.stdout
     for i, h in enumerate(hyps):
@@ -278,8 +279,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise MtxError("--src and --ref go together (source file and reference file)")
     run = _load(args)
     cfg = run.cfg
-    beam, alpha, batch_tokens, workers = _decode_settings(args, cfg.decode)
-    stop = args.stop or cfg.decode.stop
+    beam, alpha, batch_tokens, workers, stop = _decode_settings(args, cfg.decode)
     if args.src is not None:
         src, ref = read_parallel(args.src, args.ref)
         name = args.src.name.removesuffix(".gz")
