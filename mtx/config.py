@@ -84,6 +84,10 @@ class TrainConfig:
     # replaced by UNK with this probability (BOS, EOS and padding kept); 0: off
     word_dropout: float = 0.0
     tgt_word_dropout: float = 0.0
+    # bidirectional training (BiT, Ding et al., 2021): the epochs that start within this fraction
+    # of the budget (train.max_steps, or train.max_minutes when that comes first) train on every
+    # pair both ways, src->tgt and tgt->src (needs tokenizer.joint); later epochs src->tgt only
+    bidirectional: float = 0.0
     clip_norm: float = 1.0  # 0: no clipping
     amp: str = "auto"  # auto | bf16 | fp16 | fp32
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
@@ -181,6 +185,7 @@ _UNIT_INTERVAL = {
     "train.dropout_start",
     "train.word_dropout",
     "train.tgt_word_dropout",
+    "train.bidirectional",
 }
 
 
@@ -325,6 +330,16 @@ def validate(cfg: Config, where: str = "config") -> None:
         raise ConfigError(
             f"{where}: model.restrict_output needs tokenizer.bpe_dropout: 0 (BPE-dropout makes pieces the "
             "output vocabulary, read off the deterministic segmentation of train, does not hold)"
+        )
+    if cfg.train.bidirectional and not cfg.tokenizer.joint:
+        raise ConfigError(
+            f"{where}: train.bidirectional needs tokenizer.joint: true (a reversed pair feeds target pieces "
+            "to the encoder and source pieces to the softmax)"
+        )
+    if cfg.train.bidirectional and m.restrict_output:
+        raise ConfigError(
+            f"{where}: train.bidirectional needs model.restrict_output: false (the reversed pairs' targets "
+            "are source pieces, outside a softmax over the target pieces of train)"
         )
     if cfg.train.rdrop and not (m.dropout or m.attention_dropout):
         raise ConfigError(

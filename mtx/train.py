@@ -178,14 +178,20 @@ def learning_rate(step: int, cfg: TrainConfig, d_model: int, elapsed: float = 0.
     if cfg.schedule == "constant":
         return cfg.lr * ramp
     if cfg.schedule == "linear":
-        used = step / cfg.max_steps
-        if cfg.max_minutes:
-            used = max(used, elapsed / (60 * cfg.max_minutes))
-        return cfg.lr * max(0.0, min(ramp, 1.0 - used))
+        return cfg.lr * max(0.0, min(ramp, 1.0 - budget_used(step, cfg, elapsed)))
     factor = min(step / warmup, math.sqrt(warmup / step))
     if cfg.schedule == "noam":
         return cfg.lr * d_model**-0.5 * warmup**-0.5 * factor
     return cfg.lr * factor
+
+
+def budget_used(step: int, cfg: TrainConfig, elapsed: float) -> float:
+    """The fraction of the training budget used after `step` updates and `elapsed` seconds: of
+    train.max_steps, or of train.max_minutes when that runs out first."""
+    used = step / cfg.max_steps
+    if cfg.max_minutes:
+        used = max(used, elapsed / (60 * cfg.max_minutes))
+    return used
 
 
 def dropout_rate(step: int, cfg: TrainConfig, final: float) -> float:
@@ -490,6 +496,7 @@ class TrainState:
     skipped_steps: int = 0
     bad_steps_in_row: int = 0
     elapsed: float = 0.0  # training seconds over all sessions
+    both_ways_epochs: int = 0  # the first epochs, trained on every pair both ways (train.bidirectional)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -823,6 +830,8 @@ class Trainer:
         while True:
             if tc.max_epochs and self.state.epoch >= tc.max_epochs:
                 return
+            if self.state.batch == 0:
+                self._plan_direction()
             batches = epoch_batches(
                 self._epoch_ids(self.state.epoch),
                 tc.batch_tokens,
@@ -843,9 +852,33 @@ class Trainer:
             self.state.epoch += 1
             self.state.batch = 0
 
+    def _plan_direction(self) -> None:
+        """At the start of an epoch: with train.bidirectional, whether it trains both ways, which
+        it does while every earlier epoch did and less than that fraction of the budget is used
+        (BiT, Ding et al., 2021). The count is part of the state, so a resume replays the epoch."""
+        st, tc = self.state, self.cfg.train
+        if not tc.bidirectional or st.both_ways_epochs < st.epoch:
+            return
+        if self._from_main(budget_used(st.step, tc, st.elapsed) < tc.bidirectional):  # ranks' clocks differ
+            st.both_ways_epochs = st.epoch + 1
+        elif self.ranks.is_main:
+            log.info(
+                "epoch %d: %s->%s only from here on (train.bidirectional=%g of the budget used at step %d)",
+                st.epoch,
+                self.cfg.data.src_lang,
+                self.cfg.data.tgt_lang,
+                tc.bidirectional,
+                st.step,
+            )
+
     def _epoch_ids(self, epoch: int) -> ParallelIds:
         """The training ids of `epoch`: always the same, or with tokenizer.bpe_dropout a fresh
-        segmentation per epoch, drawn on rank 0 and sent to the other ranks."""
+        segmentation per epoch, drawn on rank 0 and sent to the other ranks; each pair also
+        reversed in the first `state.both_ways_epochs` epochs (train.bidirectional)."""
+        ids = self._segmented_ids(epoch)
+        return ids.both_ways() if epoch < self.state.both_ways_epochs else ids
+
+    def _segmented_ids(self, epoch: int) -> ParallelIds:
         p = self.cfg.tokenizer.bpe_dropout
         if not p:
             return self.train_ids

@@ -126,6 +126,10 @@ def test_batch_tensors_and_rank_shards() -> None:
     assert back.src_ids == ids.src_ids and back.tgt_ids == ids.tgt_ids
     assert back.tgt_lens.tolist() == ids.tgt_lens.tolist()
 
+    both = ids.both_ways()  # train.bidirectional: every pair, then every pair reversed
+    assert both.src_ids == [[5, 6, 7], [8], [9], [10, 11]] and both.tgt_ids == [[9], [10, 11], [5, 6, 7], [8]]
+    assert both.src_lens.tolist() == [4, 2, 2, 3] and both.tgt_lens.tolist() == [2, 3, 4, 2]
+
     src, tgt = _lengths(999)
     ids = ParallelIds([[4] * (s - 1) for s in src], [[4] * (t - 1) for t in tgt])
     shards = [list(epoch_batches(ids, 400, seed=1, epoch=0, rank=r, world_size=2)) for r in (0, 1)]

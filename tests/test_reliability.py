@@ -141,6 +141,32 @@ def test_bpe_dropout_resegments_each_epoch_and_a_resumed_epoch_keeps_its_own(tmp
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=14"]) == 0
 
 
+def test_bidirectional_epochs_train_both_ways_then_one_way_and_resume_exactly(tmp_path: Path, mini_data: Path) -> None:
+    # the epochs that start within 0.75 of the 70 steps train both ways; the split run stops at
+    # step 25, inside its second epoch (both ways, about 18 batches each), and resumes to step 70
+    common = ("--set", "train.bidirectional=0.75", "--set", "train.eval_every=25")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(mini_args(mini_data, straight, *common, "--set", "train.max_steps=70")) == 0
+    assert main(mini_args(mini_data, split, *common, "--set", "train.max_steps=25")) == 0
+    middle = load_weights_only(split / "checkpoints" / "last.pt")["state"]
+    assert middle["epoch"] == 1 and middle["batch"] > 0 and middle["both_ways_epochs"] == 2
+    assert main(["train", "--run-dir", str(split), "--resume", "--set", "train.max_steps=70"]) == 0
+
+    a = load_weights_only(straight / "checkpoints" / "last.pt")
+    b = load_weights_only(split / "checkpoints" / "last.pt")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert {k: v for k, v in a["state"].items() if k != "elapsed"} == {
+        k: v for k, v in b["state"].items() if k != "elapsed"
+    }
+    # the epochs that started past 0.75 of the budget: src->tgt only
+    n_both = a["state"]["both_ways_epochs"]
+    assert 2 <= n_both < a["state"]["epoch"]
+    trainer = train_module.Trainer(load_config(split / "config.yaml"), split, resume=True)
+    one_way, both = trainer._epoch_ids(n_both), trainer._epoch_ids(n_both - 1)
+    assert one_way is trainer.train_ids and len(both) == 2 * len(one_way)
+    assert both.src_ids[len(one_way) :] == one_way.tgt_ids and both.tgt_ids[len(one_way) :] == one_way.src_ids
+
+
 def test_checkpoints_without_bpe_dropout_hold_no_segmentation(tiny_run: Path) -> None:
     assert "epoch_ids" not in load_weights_only(tiny_run / "checkpoints" / "last.pt")
 
