@@ -88,6 +88,11 @@ class TrainConfig:
     # of the budget (train.max_steps, or train.max_minutes when that comes first) train on every
     # pair both ways, src->tgt and tgt->src (needs tokenizer.joint); later epochs src->tgt only
     bidirectional: float = 0.0
+    # data diversification (Nguyen et al., 2020): at the first epoch that starts past this fraction
+    # of the budget, the model (its moving average with train.ema) translates train greedily both
+    # ways, and every later epoch adds (src, its translation) and (tgt's translation, tgt) to the
+    # real pairs; needs train.bidirectional >= it (the model must still know tgt->src); 0: off
+    diversify: float = 0.0
     clip_norm: float = 1.0  # 0: no clipping
     amp: str = "auto"  # auto | bf16 | fp16 | fp32
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
@@ -186,6 +191,7 @@ _UNIT_INTERVAL = {
     "train.word_dropout",
     "train.tgt_word_dropout",
     "train.bidirectional",
+    "train.diversify",
 }
 
 
@@ -340,6 +346,12 @@ def validate(cfg: Config, where: str = "config") -> None:
         raise ConfigError(
             f"{where}: train.bidirectional needs model.restrict_output: false (the reversed pairs' targets "
             "are source pieces, outside a softmax over the target pieces of train)"
+        )
+    if cfg.train.diversify and cfg.train.bidirectional < cfg.train.diversify:
+        raise ConfigError(
+            f"{where}: train.diversify needs train.bidirectional >= train.diversify, got "
+            f"{cfg.train.bidirectional:g} < {cfg.train.diversify:g} (the model back-translates train's targets, "
+            "so it must still be training tgt->src then)"
         )
     if cfg.train.rdrop and not (m.dropout or m.attention_dropout):
         raise ConfigError(

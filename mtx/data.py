@@ -232,6 +232,10 @@ class ParallelIds:
         """Every pair src->tgt, then every pair reversed, tgt->src (one joint vocabulary)."""
         return ParallelIds(self.src_ids + self.tgt_ids, self.tgt_ids + self.src_ids)
 
+    def __add__(self, other: ParallelIds) -> ParallelIds:
+        """These pairs, then `other`'s."""
+        return ParallelIds(self.src_ids + other.src_ids, self.tgt_ids + other.tgt_ids)
+
     def target_vocabulary(self) -> torch.Tensor:
         """Sorted ids of the target pieces that occur (`model.restrict_output`)."""
         return torch.tensor(sorted({i for s in self.tgt_ids for i in s}), dtype=torch.long)

@@ -10,6 +10,7 @@ writes the run directory.
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import json
@@ -48,7 +49,7 @@ from mtx.data import (
 from mtx.errors import CheckpointError, Interrupted, MtxError
 from mtx.evaluate import corpus_scores
 from mtx.model import Dropout, Seq2Seq, make_src_mask
-from mtx.search import translate
+from mtx.search import translate, translate_ids
 from mtx.tokenizer import BPE, PAD, UNK, load_run_tokenizers, tokenizer_paths, train_or_load
 
 if TYPE_CHECKING:
@@ -497,6 +498,7 @@ class TrainState:
     bad_steps_in_row: int = 0
     elapsed: float = 0.0  # training seconds over all sessions
     both_ways_epochs: int = 0  # the first epochs, trained on every pair both ways (train.bidirectional)
+    diversified_epoch: int = -1  # the first epoch that adds the model's translations of train (train.diversify)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -639,6 +641,7 @@ class Trainer:
         self.train_texts = (train_src, train_tgt)
         self.epoch_ids: tuple[int, ParallelIds] | None = None  # (epoch, its BPE-dropout segmentation)
         self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
+        self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
         n_val = tc.eval_sentences or len(valid_src)
         self.valid_refs = valid_tgt[:n_val]
         self.valid_ids = ParallelIds.encode(valid_src[:n_val], self.valid_refs, self.src_tok, self.tgt_tok)
@@ -728,6 +731,8 @@ class Trainer:
             )
             if self.epoch_ids is not None:  # a resumed epoch goes on over the same segmentation
                 out["epoch_ids"] = {"epoch": self.epoch_ids[0], **self.epoch_ids[1].to_tensors()}
+            if self.synthetic is not None:  # a resumed run trains on the same synthetic pairs
+                out["synthetic"] = self.synthetic.to_tensors()
             if self.ema is not None:
                 out["ema"] = self.ema.to_dict()
         return out
@@ -763,6 +768,8 @@ class Trainer:
             if "epoch_ids" in ckpt and self.cfg.tokenizer.bpe_dropout:
                 saved = dict(ckpt["epoch_ids"])
                 self.epoch_ids = (int(saved.pop("epoch")), ParallelIds.from_tensors(saved))
+            if "synthetic" in ckpt:
+                self.synthetic = ParallelIds.from_tensors(ckpt["synthetic"])
             if self.ema is not None and "ema" in ckpt:
                 self.ema.load(ckpt["ema"])
             elif self.ema is not None:  # train.ema turned on at resume: the average starts here
@@ -832,6 +839,7 @@ class Trainer:
                 return
             if self.state.batch == 0:
                 self._plan_direction()
+                self._plan_diversify()
             batches = epoch_batches(
                 self._epoch_ids(self.state.epoch),
                 tc.batch_tokens,
@@ -871,12 +879,75 @@ class Trainer:
                 st.step,
             )
 
+    def _plan_diversify(self) -> None:
+        """At the start of an epoch: with train.diversify, once that fraction of the budget is
+        used, the model translates train both ways, and this epoch and every later one add the
+        synthetic pairs to the real ones (data diversification, Nguyen et al., 2020). The pairs
+        are made on rank 0, sent to the others and saved in last.pt, so a resume reuses them."""
+        st, tc = self.state, self.cfg.train
+        if not tc.diversify or st.diversified_epoch >= 0:
+            return
+        if not self._from_main(budget_used(st.step, tc, st.elapsed) >= tc.diversify):
+            return
+        box: list[ParallelIds | None] = [None]
+        if self.ranks.is_main:
+            box[0] = self._translate_train()
+        if self.ranks.world_size > 1:
+            dist.broadcast_object_list(box, src=0, device=self.device)
+        assert box[0] is not None
+        self.synthetic, st.diversified_epoch = box[0], st.epoch
+
+    @torch.no_grad()
+    def _translate_train(self) -> ParallelIds:
+        """(src, its translation) and (tgt's back-translation, tgt) for every training pair:
+        greedy, with the moving average's weights when train.ema keeps one. Empty outputs and
+        outputs longer than data.max_len are left out."""
+        start = time.perf_counter()
+        teacher = self.model
+        if self.ema is not None:
+            teacher = copy.deepcopy(self.model)
+            teacher.load_state_dict(self.ema.model_state())
+        dc, real = self.cfg.decode, self.train_ids
+        limit = self.cfg.data.max_len or 10**9
+
+        def greedy(sentences: list[list[int]]) -> list[list[int]]:
+            hyps = translate_ids(
+                teacher, sentences, 1, 0.0, dc.max_len_a, dc.max_len_b, dc.batch_tokens, workers=dc.workers
+            )
+            return [h[0].tokens for h in hyps]
+
+        def kept(outputs: list[list[int]]) -> list[int]:
+            return [i for i, out in enumerate(outputs) if 0 < len(out) <= limit]
+
+        forward, backward = greedy(real.src_ids), greedy(real.tgt_ids)
+        fwd, bwd = kept(forward), kept(backward)
+        synthetic = ParallelIds(
+            [real.src_ids[i] for i in fwd] + [backward[i] for i in bwd],
+            [forward[i] for i in fwd] + [real.tgt_ids[i] for i in bwd],
+        )
+        log.info(
+            "epoch %d, step %d: %d forward and %d backward translations of train added (train.diversify=%g), "
+            "made in %.0f s",
+            self.state.epoch,
+            self.state.step,
+            len(fwd),
+            len(bwd),
+            self.cfg.train.diversify,
+            time.perf_counter() - start,
+        )
+        return synthetic
+
     def _epoch_ids(self, epoch: int) -> ParallelIds:
         """The training ids of `epoch`: always the same, or with tokenizer.bpe_dropout a fresh
         segmentation per epoch, drawn on rank 0 and sent to the other ranks; each pair also
-        reversed in the first `state.both_ways_epochs` epochs (train.bidirectional)."""
+        reversed in the first `state.both_ways_epochs` epochs (train.bidirectional); the model's
+        translations of train added from `state.diversified_epoch` on (train.diversify)."""
         ids = self._segmented_ids(epoch)
-        return ids.both_ways() if epoch < self.state.both_ways_epochs else ids
+        if epoch < self.state.both_ways_epochs:
+            ids = ids.both_ways()
+        if self.synthetic is not None and epoch >= self.state.diversified_epoch:
+            ids = ids + self.synthetic
+        return ids
 
     def _segmented_ids(self, epoch: int) -> ParallelIds:
         p = self.cfg.tokenizer.bpe_dropout

@@ -167,6 +167,37 @@ def test_bidirectional_epochs_train_both_ways_then_one_way_and_resume_exactly(tm
     assert both.src_ids[len(one_way) :] == one_way.tgt_ids and both.tgt_ids[len(one_way) :] == one_way.src_ids
 
 
+def test_diversify_adds_the_models_translations_and_resumes_exactly(tmp_path: Path, mini_data: Path) -> None:
+    # two-way epochs of about 18 batches: epoch 2 starts at step 36, past half of the 70 steps (and
+    # of the split run's 45), so both runs translate train there; the split run stops inside it
+    common = ("--set", "train.bidirectional=0.5", "--set", "train.diversify=0.5", "--set", "train.ema=0.99")
+    common += ("--set", "train.eval_every=35")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(mini_args(mini_data, straight, *common, "--set", "train.max_steps=70")) == 0
+    assert main(mini_args(mini_data, split, *common, "--set", "train.max_steps=45")) == 0
+    middle = load_weights_only(split / "checkpoints" / "last.pt")
+    assert middle["state"]["diversified_epoch"] == middle["state"]["epoch"] == 2 and middle["state"]["batch"] > 0
+    assert "synthetic" in middle
+    assert main(["train", "--run-dir", str(split), "--resume", "--set", "train.max_steps=70"]) == 0
+
+    a = load_weights_only(straight / "checkpoints" / "last.pt")
+    b = load_weights_only(split / "checkpoints" / "last.pt")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(a["synthetic"][k], b["synthetic"][k]) for k in a["synthetic"])
+
+    trainer = train_module.Trainer(load_config(split / "config.yaml"), split, resume=True)
+    real, synthetic = trainer.train_ids, trainer.synthetic
+    assert synthetic is not None and len(real) < len(synthetic) <= 2 * len(real)
+    assert trainer._epoch_ids(1).src_ids == real.src_ids + real.tgt_ids  # before: the real pairs both ways
+    later = trainer._epoch_ids(2)
+    assert later.src_ids == real.src_ids + synthetic.src_ids and later.tgt_ids == real.tgt_ids + synthetic.tgt_ids
+    # forward pairs keep a real source, backward pairs a real target; the model's side is its own
+    forward = [(s, t) for s, t in zip(synthetic.src_ids, synthetic.tgt_ids, strict=True) if s in real.src_ids]
+    backward = [(s, t) for s, t in zip(synthetic.src_ids, synthetic.tgt_ids, strict=True) if t in real.tgt_ids]
+    assert forward and backward and len(forward) + len(backward) >= len(synthetic)
+    assert set(map(tuple, real.tgt_ids)) != {tuple(t) for _, t in forward}
+
+
 def test_checkpoints_without_bpe_dropout_hold_no_segmentation(tiny_run: Path) -> None:
     assert "epoch_ids" not in load_weights_only(tiny_run / "checkpoints" / "last.pt")
 
