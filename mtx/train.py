@@ -697,6 +697,14 @@ class Trainer:
         dist.broadcast(t, src=0)
         return bool(t.item())
 
+    def _ids_from_main(self, make: Callable[[], ParallelIds]) -> ParallelIds:
+        """`make()` run on rank 0 only, its result sent to the other ranks."""
+        box = [make() if self.ranks.is_main else None]
+        if self.ranks.world_size > 1:
+            dist.broadcast_object_list(box, src=0, device=self.device)
+        assert box[0] is not None
+        return box[0]
+
     def _stop_signal(self, stop: StopRequest) -> int | None:
         """The stop signal any rank received, agreed by all so that they stop at the same step."""
         if self.ranks.world_size == 1:
@@ -889,13 +897,7 @@ class Trainer:
             return
         if not self._from_main(budget_used(st.step, tc, st.elapsed) >= tc.diversify):
             return
-        box: list[ParallelIds | None] = [None]
-        if self.ranks.is_main:
-            box[0] = self._translate_train()
-        if self.ranks.world_size > 1:
-            dist.broadcast_object_list(box, src=0, device=self.device)
-        assert box[0] is not None
-        self.synthetic, st.diversified_epoch = box[0], st.epoch
+        self.synthetic, st.diversified_epoch = self._ids_from_main(self._translate_train), st.epoch
 
     @torch.no_grad()
     def _translate_train(self) -> ParallelIds:
@@ -954,17 +956,15 @@ class Trainer:
         if not p:
             return self.train_ids
         if self.epoch_ids is None or self.epoch_ids[0] != epoch:
-            box: list[ParallelIds | None] = [None]
-            if self.ranks.is_main:
+
+            def segment() -> ParallelIds:
                 if self.dropout_toks is None:  # built once; each encode draws a fresh segmentation
                     src_tok = self.src_tok.with_dropout(p)
                     tgt_tok = src_tok if self.tgt_tok is self.src_tok else self.tgt_tok.with_dropout(p)
                     self.dropout_toks = (src_tok, tgt_tok)
-                box[0] = ParallelIds.encode(*self.train_texts, *self.dropout_toks, self.cfg.data.max_len)
-            if self.ranks.world_size > 1:
-                dist.broadcast_object_list(box, src=0, device=self.device)
-            assert box[0] is not None
-            self.epoch_ids = (epoch, box[0])
+                return ParallelIds.encode(*self.train_texts, *self.dropout_toks, self.cfg.data.max_len)
+
+            self.epoch_ids = (epoch, self._ids_from_main(segment))
         return self.epoch_ids[1]
 
     def train_step(self, group: list[Batch]) -> tuple[float, int, bool]:
