@@ -12,7 +12,7 @@ best.pt alone and the script prints the `mtx eval` command that decodes it. The 
 JSON for scripts.
 
     python scripts/choose_on_val.py --run runs/NAME [--last 3,4,5,7,10] [--ensemble 2,4]
-        [--length-penalty 0.6,1.0,1.4] [--beam 5,8,12] [--threads 2] [--apply]
+        [--length-penalty 0.6,1.0,1.4] [--beam 5,8,12] [--threads 2] [--device auto] [--apply]
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from mtx.errors import MtxError  # noqa: E402
 from mtx.evaluate import corpus_scores  # noqa: E402
 from mtx.model import Ensemble, Seq2Seq  # noqa: E402
 from mtx.search import translate  # noqa: E402
+from mtx.train import pick_device  # noqa: E402
 
 
 def numbers(text: str) -> list[float]:
@@ -93,6 +94,7 @@ def main() -> None:
         "--ensemble", type=beam_sizes, default="2,4", help="ensembles of the newest N step checkpoints to try"
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     parser.add_argument("--apply", action="store_true", help="make the chosen average the run's best.pt")
     args = parser.parse_args()
     if any(n < 2 for n in args.ensemble):
@@ -107,7 +109,8 @@ def main() -> None:
 def choose(args: argparse.Namespace) -> None:
     ckpts = checkpoint_dir(args.run)
     single = ckpts / "best_single.pt" if (ckpts / "best_single.pt").is_file() else ckpts / "best.pt"
-    run = load_run(args.run, [single])
+    device = pick_device(args.device)
+    run = load_run(args.run, [single], device)
     cfg = run.cfg
     data_dir = Path(cfg.data.dir)
     src, refs = read_parallel(
@@ -145,7 +148,7 @@ def choose(args: argparse.Namespace) -> None:
         add("moving average", with_weights(payload), payload, f" (ema.pt, decay {payload.get('ema_decay')})")
     for n in sorted(set(args.ensemble)):
         if 2 <= n <= len(steps):
-            add(f"ensemble of the last {n}", load_run(args.run, steps[-n:]).model, steps[-n:])
+            add(f"ensemble of the last {n}", load_run(args.run, steps[-n:], device).model, steps[-n:])
     name = max(candidates, key=lambda k: candidates[k][2])
     model, chosen, bleu = candidates[name]
     penalties = {alpha: bleu}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 from mtx.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_DATA = REPO.parent / "shared" / "data" / "multi30k"
+# the local Multi30k copy beside the checkout, or where $MTX_DATA_DIR points (as `data.dir: auto` reads it)
+SHARED_DATA = Path(os.environ.get("MTX_DATA_DIR") or REPO.parent / "shared" / "data" / "multi30k")
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
 
 torch.set_num_threads(2)
@@ -25,7 +27,7 @@ def _head(path: Path, n: int) -> list[str]:
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not (SHARED_DATA / "train.de.gz").is_file():
-        pytest.fail(f"the Multi30k copy is missing at {SHARED_DATA}")
+        pytest.fail(f"the Multi30k copy is missing at {SHARED_DATA} (set MTX_DATA_DIR to a folder of its .gz files)")
     return SHARED_DATA
 
 

@@ -25,6 +25,7 @@ from mtx.train import (
     make_optimizer,
     rdrop_loss,
     set_dropout,
+    training_loss,
 )
 
 from .conftest import tiny_args
@@ -162,6 +163,19 @@ def _rdrop_model_and_batch(dropout_p: float) -> tuple[Seq2Seq, Batch]:
     tgt[0, 4:] = 0  # padding: the loss must skip it
     tgt_in = torch.cat([torch.full((3, 1), 1), tgt[:, :-1]], 1)
     return model, Batch(src, tgt_in, tgt, 21, int((tgt != 0).sum()))
+
+
+def test_compiled_loss_gives_the_eager_loss_and_gradients() -> None:
+    """`train.compile`: the loss compiled with the model inside (which takes the unfused
+    `SmoothedCrossEntropy` path, as on CUDA) gives the eager (fused on CPU) loss and gradients."""
+    model, batch = _rdrop_model_and_batch(0.0)
+    compiled = training_loss(compiled=True)(model, batch, 0.1)
+    got = torch.autograd.grad(compiled, list(model.parameters()))
+    eager = label_smoothed_loss(model, batch, 0.1)
+    want = torch.autograd.grad(eager, list(model.parameters()))
+    assert compiled.item() == pytest.approx(eager.item(), rel=1e-5)
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(g, w, atol=1e-5)
 
 
 def test_fused_rdrop_loss_matches_the_loss_of_the_full_logits() -> None:

@@ -1,0 +1,157 @@
+"""The CUDA paths: skipped where torch sees no CUDA device (CI, the 2-core CPU machines), run on a
+GPU machine when one is lent (`python -m pytest tests/test_cuda.py`). They check what the CPU
+tests cannot: the unfused loss and the search on the GPU against the CPU, bf16 autocast and
+fp16 with its scaler in real training, resume, and a run trained on CUDA decoding on the CPU."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtx.checkpoint import load_run
+from mtx.config import ModelConfig
+from mtx.data import Batch, pad_ids, read_lines
+from mtx.model import Seq2Seq, make_src_mask
+from mtx.search import beam_search, greedy_search, translate_ids
+from mtx.tokenizer import BOS, EOS, PAD
+from mtx.train import label_smoothed_loss
+
+from .conftest import tiny_args
+from .test_cli import mtx
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32() -> None:
+    """Full float32 products on the GPU, so that its results can be held to the CPU's."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def _model(vocab: int = 60) -> Seq2Seq:
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        d_model=32, n_heads=4, d_ff=64, n_encoder_layers=2, n_decoder_layers=2, dropout=0.0, max_positions=64
+    )
+    return Seq2Seq(cfg, vocab, vocab, joint_vocab=True).eval()
+
+
+def _batch() -> Batch:
+    src = pad_ids([[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]], suffix=EOS)
+    tgt = [[20, 21, 22], [23, 24], [25, 26, 27, 28]]
+    out = pad_ids(tgt, suffix=EOS)
+    return Batch(src, pad_ids(tgt, prefix=BOS), out, int((src != PAD).sum()), int((out != PAD).sum()))
+
+
+def test_loss_and_gradients_on_cuda_equal_the_fused_cpu_ones() -> None:
+    """On CUDA the loss goes through the materialised logits (`SmoothedCrossEntropy`), on the CPU
+    through the fused projection: the same loss and gradients."""
+    cpu_model = _model()
+    gpu_model = copy.deepcopy(cpu_model).to(CUDA)
+    batch = _batch()
+    results = []
+    for model, device in ((cpu_model, CPU), (gpu_model, CUDA)):
+        loss = label_smoothed_loss(model, batch.to(device), 0.1)
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}))
+    (cpu_loss, cpu_grads), (gpu_loss, gpu_grads) = results
+    assert gpu_loss == pytest.approx(cpu_loss, rel=1e-5)
+    assert cpu_grads.keys() == gpu_grads.keys()
+    for name, grad in cpu_grads.items():
+        assert torch.allclose(gpu_grads[name], grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_cached_and_uncached_decoding_agree_on_cuda() -> None:
+    model = _model().to(CUDA)
+    src = _batch().src.to(CUDA)
+    tgt = torch.tensor([[BOS, 20, 21, 22], [BOS, 23, 24, 25], [BOS, 26, 27, 28]], device=CUDA)
+    mask = make_src_mask(src)
+    memory = model.encode(src, mask)
+    full = model.decode(tgt, memory, mask)
+    cache = model.new_cache()
+    steps = [model.decode(tgt[:, t : t + 1], memory, mask, cache) for t in range(tgt.shape[1])]
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
+    assert torch.allclose(full.cpu(), _model().decode(tgt.cpu(), *_encoded_on_cpu(src.cpu())), atol=1e-4)
+
+
+def _encoded_on_cpu(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    model, mask = _model(), make_src_mask(src)
+    return model.encode(src, mask), mask
+
+
+@pytest.mark.parametrize("beam", [1, 5])
+def test_search_on_cuda(tiny_run: Path, small_data: Path, beam: int) -> None:
+    """On the GPU: beam 1 is greedy, batching changes no output, and the outputs are the CPU's
+    (float32 both sides; the tiny model's near-ties may flip a few)."""
+    run = load_run(tiny_run, device=CUDA)
+    src_ids = run.src_tok.encode_batch(read_lines(small_data / "val.de")[:40])
+    src = pad_ids(src_ids, suffix=EOS).to(CUDA)
+    if beam == 1:
+        greedy = greedy_search(run.model, src, 1.2, 10)
+        beam_one = beam_search(run.model, src, 1, 0.0, 1.2, 10)
+        assert [h.tokens for h in greedy] == [b[0].tokens for b in beam_one]
+    batched = translate_ids(run.model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=100_000, nbest=beam)
+    small = translate_ids(run.model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=60, nbest=beam)
+    single = [translate_ids(run.model, [s], beam, 1.0, 1.2, 10, batch_tokens=100_000)[0] for s in src_ids]
+    assert [h[0].tokens for h in small] == [h[0].tokens for h in batched] == [h[0].tokens for h in single]
+    for hyps in batched:  # n-best sorted by score
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+    on_cpu = translate_ids(load_run(tiny_run).model, src_ids, beam, 1.0, 1.2, 10, batch_tokens=100_000)
+    same = sum(a[0].tokens == b[0].tokens for a, b in zip(batched, on_cpu, strict=True))
+    assert same >= len(src_ids) - 2, f"{same} of {len(src_ids)} outputs equal the CPU's"
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("amp", ["auto", "fp16"])
+def test_train_resume_and_decode_on_cuda(tmp_path: Path, small_data: Path, amp: str) -> None:
+    """`mtx train` on CUDA (bf16 autocast by default, fp16 with its loss scaler on request), then
+    --resume, then translate and eval on the GPU and on the CPU from the same checkpoint."""
+    run_dir = tmp_path / "run"
+    steps = ["--set", "train.max_steps=60", "--set", "train.eval_every=30", "--set", f"train.amp={amp}"]
+    r = mtx(*tiny_args(small_data, run_dir, "--set", "train.device=cuda", *steps))
+    assert r.returncode == 0, r.stderr.decode()
+    log = (run_dir / "train.log").read_text()
+    precision = "float16" if amp == "fp16" else "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    assert f"device cuda, precision {precision}," in log, log[:2000]
+    ckpt = torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    assert bool(ckpt["scaler"].get("scale")) == (precision == "float16"), ckpt["scaler"]
+    r = mtx("train", "--run-dir", str(run_dir), "--resume", "--set", "train.max_steps=90")
+    assert r.returncode == 0, r.stderr.decode()
+    events = _events(run_dir)
+    losses = [e["loss"] for e in events if e["event"] == "train"]
+    assert losses and all(loss == loss and loss < 20 for loss in losses), losses  # finite
+    assert [e["step"] for e in events if e["event"] == "valid"] == [30, 60, 90]
+    assert losses[-1] < losses[0]
+
+    r = mtx("translate", "--run", str(run_dir), "--device", "cuda", "--beam", "3", "Ein Mann fährt Fahrrad.")
+    assert r.returncode == 0 and len(r.stdout.decode().splitlines()) == 1, r.stderr.decode()
+    scores = {}
+    for device in ("cuda", "cpu"):
+        r = mtx("eval", "--run", str(run_dir), "--device", device, "--split", "val", "--json")
+        assert r.returncode == 0, r.stderr.decode()
+        scores[device] = json.loads(r.stdout)["bleu"]
+    assert scores["cuda"] == pytest.approx(scores["cpu"], abs=0.5), scores
+    r = mtx("eval", "--run", str(run_dir), "--device", "cuda", "--split", "val", "--precision", "bf16", "--json")
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads(r.stdout)["bleu"] == pytest.approx(scores["cuda"], abs=2.0)
+
+
+def test_compiled_training_on_cuda(tmp_path: Path, small_data: Path) -> None:
+    run_dir = tmp_path / "run"
+    steps = ["--set", "train.max_steps=40", "--set", "train.eval_every=40", "--set", "train.compile=true"]
+    r = mtx(*tiny_args(small_data, run_dir, "--set", "train.device=cuda", *steps))
+    assert r.returncode == 0, r.stderr.decode()
+    losses = [e["loss"] for e in _events(run_dir) if e["event"] == "train"]
+    assert losses and losses[-1] < losses[0], losses
