@@ -70,22 +70,17 @@ def test_loss_and_gradients_on_cuda_equal_the_fused_cpu_ones() -> None:
         assert torch.allclose(gpu_grads[name], grad, atol=1e-5, rtol=1e-4), name
 
 
-def test_cached_and_uncached_decoding_agree_on_cuda() -> None:
-    model = _model().to(CUDA)
-    src = _batch().src.to(CUDA)
-    tgt = torch.tensor([[BOS, 20, 21, 22], [BOS, 23, 24, 25], [BOS, 26, 27, 28]], device=CUDA)
-    mask = make_src_mask(src)
-    memory = model.encode(src, mask)
-    full = model.decode(tgt, memory, mask)
-    cache = model.new_cache()
-    steps = [model.decode(tgt[:, t : t + 1], memory, mask, cache) for t in range(tgt.shape[1])]
-    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
-    assert torch.allclose(full.cpu(), _model().decode(tgt.cpu(), *_encoded_on_cpu(src.cpu())), atol=1e-4)
-
-
-def _encoded_on_cpu(src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    model, mask = _model(), make_src_mask(src)
-    return model.encode(src, mask), mask
+def test_decoder_logits_on_cuda_equal_the_cpu_ones() -> None:
+    """The decoder's logits on CUDA are the CPU's (cached == uncached decoding on CUDA is
+    tests/test_model.py's test, parametrised over the devices)."""
+    model, src = _model(), _batch().src
+    tgt = torch.tensor([[BOS, 20, 21, 22], [BOS, 23, 24, 25], [BOS, 26, 27, 28]])
+    logits = {}
+    for device in (CPU, CUDA):
+        model.to(device)
+        mask = make_src_mask(src.to(device))
+        logits[device.type] = model.decode(tgt.to(device), model.encode(src.to(device), mask), mask).cpu()
+    assert torch.allclose(logits["cuda"], logits["cpu"], atol=1e-4)
 
 
 @pytest.mark.parametrize("beam", [1, 5])

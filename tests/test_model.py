@@ -55,11 +55,15 @@ def test_decoder_does_not_look_ahead() -> None:
     assert not torch.allclose(a[:, 2:], b[:, 2:])
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("pre_norm", [True, False])
-def test_cached_and_uncached_decoder_logits_agree(pre_norm: bool) -> None:
-    model = _model(pre_norm)
-    src = _src()
-    tgt = torch.tensor([[BOS, 20, 21, 22, 23], [BOS, 24, 25, 26, 27]])
+def test_cached_and_uncached_decoder_logits_agree(pre_norm: bool, device: str) -> None:
+    model = _model(pre_norm).to(device)
+    src = _src().to(device)
+    tgt = torch.tensor([[BOS, 20, 21, 22, 23], [BOS, 24, 25, 26, 27]], device=device)
     mask = make_src_mask(src)
     memory = model.encode(src, mask)
     full = model.decode(tgt, memory, mask)
