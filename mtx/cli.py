@@ -220,7 +220,7 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, import
         raise MtxError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    run = load_run(args.run, args.checkpoint, pick_device(args.device))
+    run = load_run(args.run, args.checkpoint, pick_device(args.device, "--device"))
     if _precision(args, run.cfg) == "bf16":
         run.model.to(torch.bfloat16)  # log-probabilities and scores stay float32 (search.py)
     return run

@@ -58,8 +58,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def pick_device(name: str) -> torch.device:
-    """`auto` prefers cuda, then mps, then cpu; explicit names are checked."""
+def pick_device(name: str, key: str = "train.device") -> torch.device:
+    """`auto` prefers cuda, then mps, then cpu; explicit names are checked (errors name `key`)."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -69,9 +69,9 @@ def pick_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise MtxError(f"train.device: unknown device {name!r} (use auto, cpu, cuda, cuda:N or mps)") from None
+        raise MtxError(f"{key}: unknown device {name!r} (use auto, cpu, cuda, cuda:N or mps)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise MtxError("train.device: cuda requested but no CUDA device is available (use auto or cpu)")
+        raise MtxError(f"{key}: cuda requested but no CUDA device is available (use auto or cpu)")
     return device
 
 

@@ -109,7 +109,7 @@ def main() -> None:
 def choose(args: argparse.Namespace) -> None:
     ckpts = checkpoint_dir(args.run)
     single = ckpts / "best_single.pt" if (ckpts / "best_single.pt").is_file() else ckpts / "best.pt"
-    device = pick_device(args.device)
+    device = pick_device(args.device, "--device")
     run = load_run(args.run, [single], device)
     cfg = run.cfg
     data_dir = Path(cfg.data.dir)

@@ -107,6 +107,8 @@ def test_translate_errors_on_a_finished_run(tiny_run: Path) -> None:
     assert_one_line_error(mtx("translate", "--run", str(tiny_run), stdin=b"ok\n\xff\n"), "line 2 is not valid UTF-8")
     assert_one_line_error(mtx("translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "3", "x"), "--nbest")
     assert_one_line_error(mtx("eval", "--run", str(tiny_run), "--split", "nosuch"), "nosuch")
+    bad_device = mtx("eval", "--run", str(tiny_run), "--device", "nosuch")
+    assert_one_line_error(bad_device, "--device: unknown device 'nosuch'")
 
 
 def test_eval_and_translate_in_bf16(tiny_run: Path, tmp_path: Path) -> None:
