@@ -165,6 +165,7 @@ def _rdrop_model_and_batch(dropout_p: float) -> tuple[Seq2Seq, Batch]:
     return model, Batch(src, tgt_in, tgt, 21, int((tgt != 0).sum()))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own import
 def test_compiled_loss_gives_the_eager_loss_and_gradients() -> None:
     """`train.compile`: the loss compiled with the model inside (which takes the unfused
     `SmoothedCrossEntropy` path, as on CUDA) gives the eager (fused on CPU) loss and gradients."""
