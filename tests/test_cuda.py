@@ -13,15 +13,16 @@ import pytest
 import torch
 
 from mtx.checkpoint import load_run
-from mtx.config import ModelConfig
 from mtx.data import Batch, pad_ids, read_lines
-from mtx.model import Seq2Seq, make_src_mask
+from mtx.model import make_src_mask
+from mtx.plot import read_metrics
 from mtx.search import beam_search, greedy_search, translate_ids
 from mtx.tokenizer import BOS, EOS, PAD
 from mtx.train import label_smoothed_loss
 
 from .conftest import tiny_args
 from .test_cli import mtx
+from .test_model import _model  # the small seeded model of the CPU model tests (vocabulary 50)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -35,14 +36,6 @@ def _no_tf32() -> None:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
-
-
-def _model(vocab: int = 60) -> Seq2Seq:
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        d_model=32, n_heads=4, d_ff=64, n_encoder_layers=2, n_decoder_layers=2, dropout=0.0, max_positions=64
-    )
-    return Seq2Seq(cfg, vocab, vocab, joint_vocab=True).eval()
 
 
 def _batch() -> Batch:
@@ -105,10 +98,6 @@ def test_search_on_cuda(tiny_run: Path, small_data: Path, beam: int) -> None:
     assert same >= len(src_ids) - 2, f"{same} of {len(src_ids)} outputs equal the CPU's"
 
 
-def _events(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.mark.parametrize("amp", ["auto", "fp16"])
 def test_train_resume_and_decode_on_cuda(tmp_path: Path, small_data: Path, amp: str) -> None:
     """`mtx train` on CUDA (bf16 autocast by default, fp16 with its loss scaler on request), then
@@ -124,7 +113,7 @@ def test_train_resume_and_decode_on_cuda(tmp_path: Path, small_data: Path, amp: 
     assert bool(ckpt["scaler"].get("scale")) == (precision == "float16"), ckpt["scaler"]
     r = mtx("train", "--run-dir", str(run_dir), "--resume", "--set", "train.max_steps=90")
     assert r.returncode == 0, r.stderr.decode()
-    events = _events(run_dir)
+    events = read_metrics(run_dir)
     losses = [e["loss"] for e in events if e["event"] == "train"]
     assert losses and all(loss == loss and loss < 20 for loss in losses), losses  # finite
     assert [e["step"] for e in events if e["event"] == "valid"] == [30, 60, 90]
@@ -148,5 +137,5 @@ def test_compiled_training_on_cuda(tmp_path: Path, small_data: Path) -> None:
     steps = ["--set", "train.max_steps=40", "--set", "train.eval_every=40", "--set", "train.compile=true"]
     r = mtx(*tiny_args(small_data, run_dir, "--set", "train.device=cuda", *steps))
     assert r.returncode == 0, r.stderr.decode()
-    losses = [e["loss"] for e in _events(run_dir) if e["event"] == "train"]
+    losses = [e["loss"] for e in read_metrics(run_dir) if e["event"] == "train"]
     assert losses and losses[-1] < losses[0], losses
