@@ -17,12 +17,12 @@ from mtx.data import Batch, pad_ids, read_lines
 from mtx.model import make_src_mask
 from mtx.plot import read_metrics
 from mtx.search import beam_search, greedy_search, translate_ids
-from mtx.tokenizer import BOS, EOS, PAD
+from mtx.tokenizer import BOS, EOS
 from mtx.train import label_smoothed_loss
 
 from .conftest import tiny_args
 from .test_cli import mtx
-from .test_model import _model  # the small seeded model of the CPU model tests (vocabulary 50)
+from .test_model import _batch, _model  # the small seeded model of the CPU model tests (vocabulary 50)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -38,11 +38,9 @@ def _no_tf32() -> None:
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
-def _batch() -> Batch:
+def _three_pairs() -> Batch:
     src = pad_ids([[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]], suffix=EOS)
-    tgt = [[20, 21, 22], [23, 24], [25, 26, 27, 28]]
-    out = pad_ids(tgt, suffix=EOS)
-    return Batch(src, pad_ids(tgt, prefix=BOS), out, int((src != PAD).sum()), int((out != PAD).sum()))
+    return _batch(src, [[20, 21, 22], [23, 24], [25, 26, 27, 28]])
 
 
 def test_loss_and_gradients_on_cuda_equal_the_fused_cpu_ones() -> None:
@@ -50,7 +48,7 @@ def test_loss_and_gradients_on_cuda_equal_the_fused_cpu_ones() -> None:
     through the fused projection: the same loss and gradients."""
     cpu_model = _model()
     gpu_model = copy.deepcopy(cpu_model).to(CUDA)
-    batch = _batch()
+    batch = _three_pairs()
     results = []
     for model, device in ((cpu_model, CPU), (gpu_model, CUDA)):
         loss = label_smoothed_loss(model, batch.to(device), 0.1)
@@ -66,7 +64,7 @@ def test_loss_and_gradients_on_cuda_equal_the_fused_cpu_ones() -> None:
 def test_decoder_logits_on_cuda_equal_the_cpu_ones() -> None:
     """The decoder's logits on CUDA are the CPU's (cached == uncached decoding on CUDA is
     tests/test_model.py's test, parametrised over the devices)."""
-    model, src = _model(), _batch().src
+    model, src = _model(), _three_pairs().src
     tgt = torch.tensor([[BOS, 20, 21, 22], [BOS, 23, 24, 25], [BOS, 26, 27, 28]])
     logits = {}
     for device in (CPU, CUDA):

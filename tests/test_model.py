@@ -28,6 +28,12 @@ def _src() -> torch.Tensor:
     return pad_ids([[5, 6, 7, 8, 9], [10, 11, 12]], suffix=EOS)
 
 
+def _batch(src: torch.Tensor, tgt: list[list[int]]) -> Batch:
+    """A training batch of padded source ids and target pieces (BOS-prefixed input, EOS-ended output)."""
+    out = pad_ids(tgt, suffix=EOS)
+    return Batch(src, pad_ids(tgt, prefix=BOS), out, int((src != PAD).sum()), int((out != PAD).sum()))
+
+
 @pytest.mark.parametrize("pre_norm", [True, False])
 def test_padding_does_not_change_encoder_or_decoder_outputs(pre_norm: bool) -> None:
     model = _model(pre_norm)
@@ -172,7 +178,7 @@ def test_overfits_one_batch(pre_norm: bool) -> None:
     model = _model(pre_norm, dropout=0.0).train()
     src = pad_ids([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]], suffix=EOS)
     tgt = [[20, 21, 22], [23, 24, 25, 26], [27, 28], [29, 30, 31, 32, 33]]
-    batch = Batch(src, pad_ids(tgt, prefix=BOS), pad_ids(tgt, suffix=EOS), int((src != PAD).sum()), 18)
+    batch = _batch(src, tgt)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(150):
         loss = label_smoothed_loss(model, batch, 0.0) / batch.n_tgt_tokens
@@ -187,9 +193,7 @@ def test_cpu_explicit_attention_matches_sdpa(pre_norm: bool, monkeypatch: pytest
     """Training on CPU takes explicit products + softmax for short sequences; loss and every
     gradient equal those of SDPA's kernels (padding masks, causal decoder self-attention)."""
     model = _model(pre_norm).train()
-    src = _src()
-    tgt = [[20, 21, 22], [23, 24, 25, 26]]
-    batch = Batch(src, pad_ids(tgt, prefix=BOS), pad_ids(tgt, suffix=EOS), int((src != PAD).sum()), 9)
+    batch = _batch(_src(), [[20, 21, 22], [23, 24, 25, 26]])
 
     def loss_and_grads(max_keys: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         monkeypatch.setattr(mtx.model, "CPU_MATH_MAX_KEYS", max_keys)
