@@ -343,6 +343,12 @@ def cmd_average(args: argparse.Namespace) -> int:
 
     out, chosen = average_run(args.run, args.last, args.out, args.as_best)
     print(f"averaged {len(chosen)} checkpoints ({', '.join(p.name for p in chosen)}) into {out}")
+    if len(chosen) < args.last:
+        print(
+            f"note: --last {args.last} asked for more step checkpoints than the run kept ({len(chosen)}; "
+            "train.keep_last), so all of them were averaged",
+            file=sys.stderr,
+        )
     if args.as_best:
         print(f"{args.run / 'checkpoints' / 'best.pt'} is now the average")
     return 0

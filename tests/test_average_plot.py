@@ -40,6 +40,15 @@ def test_average_command_as_best_keeps_the_old_best(run_copy: Path, capsys: pyte
     assert main(["translate", "--run", str(run_copy), "--beam", "2", "Ein Hund läuft."]) == 0
 
 
+def test_average_of_more_than_the_kept_checkpoints_says_so(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    kept = len(step_checkpoints(run_copy))
+    assert main(["average", "--run", str(run_copy), "--last", str(kept + 5)]) == 0
+    out, err = capsys.readouterr()
+    assert f"averaged {kept} checkpoints" in out
+    assert f"--last {kept + 5}" in err and "train.keep_last" in err
+    assert (run_copy / "checkpoints" / f"average_last{kept}.pt").is_file()
+
+
 def test_average_and_translate_with_a_restricted_output(tiny_restricted_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(tiny_restricted_run, run)
