@@ -39,8 +39,7 @@ def _no_tf32() -> None:
 
 
 def _three_pairs() -> Batch:
-    src = pad_ids([[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]], suffix=EOS)
-    return _batch(src, [[20, 21, 22], [23, 24], [25, 26, 27, 28]])
+    return _batch([[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]], [[20, 21, 22], [23, 24], [25, 26, 27, 28]])
 
 
 def test_loss_and_gradients_on_cuda_equal_the_fused_cpu_ones() -> None:

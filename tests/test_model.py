@@ -7,7 +7,7 @@ import torch
 
 import mtx.model
 from mtx.config import ModelConfig
-from mtx.data import Batch, pad_ids
+from mtx.data import Batch, ParallelIds, pad_ids
 from mtx.model import Seq2Seq, make_src_mask
 from mtx.tokenizer import BOS, EOS, PAD
 from mtx.train import label_smoothed_loss
@@ -24,14 +24,16 @@ def _model(pre_norm: bool = True, dropout: float = 0.0, joint: bool = True, tie:
     return Seq2Seq(cfg, V, V if joint else V + 7, joint_vocab=joint).eval()
 
 
+SRC_IDS = [[5, 6, 7, 8, 9], [10, 11, 12]]
+
+
 def _src() -> torch.Tensor:
-    return pad_ids([[5, 6, 7, 8, 9], [10, 11, 12]], suffix=EOS)
+    return pad_ids(SRC_IDS, suffix=EOS)
 
 
-def _batch(src: torch.Tensor, tgt: list[list[int]]) -> Batch:
-    """A training batch of padded source ids and target pieces (BOS-prefixed input, EOS-ended output)."""
-    out = pad_ids(tgt, suffix=EOS)
-    return Batch(src, pad_ids(tgt, prefix=BOS), out, int((src != PAD).sum()), int((out != PAD).sum()))
+def _batch(src: list[list[int]], tgt: list[list[int]]) -> Batch:
+    """A training batch of these source and target pieces, built as training builds its batches."""
+    return ParallelIds(src, tgt).batch(range(len(src)))
 
 
 @pytest.mark.parametrize("pre_norm", [True, False])
@@ -176,7 +178,7 @@ def test_weight_tying() -> None:
 def test_overfits_one_batch(pre_norm: bool) -> None:
     torch.manual_seed(0)
     model = _model(pre_norm, dropout=0.0).train()
-    src = pad_ids([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]], suffix=EOS)
+    src = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
     tgt = [[20, 21, 22], [23, 24, 25, 26], [27, 28], [29, 30, 31, 32, 33]]
     batch = _batch(src, tgt)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -193,7 +195,7 @@ def test_cpu_explicit_attention_matches_sdpa(pre_norm: bool, monkeypatch: pytest
     """Training on CPU takes explicit products + softmax for short sequences; loss and every
     gradient equal those of SDPA's kernels (padding masks, causal decoder self-attention)."""
     model = _model(pre_norm).train()
-    batch = _batch(_src(), [[20, 21, 22], [23, 24, 25, 26]])
+    batch = _batch(SRC_IDS, [[20, 21, 22], [23, 24, 25, 26]])
 
     def loss_and_grads(max_keys: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         monkeypatch.setattr(mtx.model, "CPU_MATH_MAX_KEYS", max_keys)
