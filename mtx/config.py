@@ -53,6 +53,12 @@ class ModelConfig:
     dropout: float = 0.1
     attention_dropout: float = 0.0
     pre_norm: bool = True
+    # layer: LayerNorm | scale: ScaleNorm, g * x / ||x|| with one learned g per norm (Nguyen &
+    # Salazar, 2019, "Transformers without Tears")
+    norm: str = "layer"
+    # FixNorm (Nguyen & Chiang, 2018): every word embedding used at unit length (times sqrt(D) at
+    # the input), so the logits are the final decoder state's dot products with unit vectors
+    fix_norm: bool = False
     tie_embeddings: bool = True  # tgt embedding == output projection (and == src when joint)
     # softmax only over the target-side pieces of the training data (+ EOS, UNK): a joint BPE
     # vocabulary holds many pieces of the source language that the target never uses
@@ -143,6 +149,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "decode.precision": ("fp32", "bf16"),
     "decode.stop": STOPS,
     "train.optimizer": ("adam", "adamw"),
+    "model.norm": ("layer", "scale"),
 }
 _POSITIVE = {
     "tokenizer.vocab_size",

@@ -195,12 +195,16 @@ def sinusoidal_positions(n_positions: int, d_model: int) -> torch.Tensor:
 
 
 class Embedding(nn.Module):
-    """Token embedding scaled by sqrt(D), plus sinusoidal positions, then dropout."""
+    """Token embedding scaled by sqrt(D), plus sinusoidal positions, then dropout. With
+    `fix_norm` each token's vector is first brought to unit length (FixNorm)."""
 
-    def __init__(self, vocab_size: int, d_model: int, max_positions: int, dropout: float) -> None:
+    def __init__(
+        self, vocab_size: int, d_model: int, max_positions: int, dropout: float, fix_norm: bool = False
+    ) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, d_model, padding_idx=PAD)
         self.scale = math.sqrt(d_model)
+        self.fix_norm = fix_norm
         self.register_buffer("positions", sinusoidal_positions(max_positions, d_model), persistent=False)
         self.dropout = Dropout(dropout)
 
@@ -210,7 +214,10 @@ class Embedding(nn.Module):
             raise ValueError(
                 f"sequence of {offset + length} positions exceeds model.max_positions ({self.positions.shape[0]})"
             )
-        x = self.tokens(ids) * self.scale + self.positions[offset : offset + length]  # (B, L, D)
+        vectors = self.tokens(ids)  # (B, L, D); PAD's zero row stays zero under normalize
+        if self.fix_norm:
+            vectors = F.normalize(vectors, dim=-1)
+        x = vectors * self.scale + self.positions[offset : offset + length]
         return self.dropout(x)
 
 
@@ -400,14 +407,33 @@ class FeedForward(nn.Module):
         return self.fc2(self.dropout(F.relu(self.fc1(x))))  # (B, L, D) -> (B, L, F) -> (B, L, D)
 
 
-class Sublayer(nn.Module):
-    """Residual wrapper: pre-LN `x + f(LN(x))` or post-LN `LN(x + f(x))`."""
+class ScaleNorm(nn.Module):
+    """`g * x / ||x||` over the last dimension with one learned gain g, initialised to sqrt(D)
+    (Nguyen & Salazar, 2019). The norm is taken in float32 whatever the input's type."""
 
-    def __init__(self, d_model: int, dropout: float, pre_norm: bool) -> None:
+    def __init__(self, d_model: int, eps: float = 1e-5) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(d_model)
-        self.dropout = Dropout(dropout)
-        self.pre_norm = pre_norm
+        self.gain = nn.Parameter(torch.full((1,), math.sqrt(d_model)))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = torch.linalg.vector_norm(x.float(), dim=-1, keepdim=True).clamp(min=self.eps)
+        return (x * (self.gain / norm)).to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """The normalisation layer `model.norm` names: LayerNorm or ScaleNorm."""
+    return ScaleNorm(cfg.d_model) if cfg.norm == "scale" else nn.LayerNorm(cfg.d_model)
+
+
+class Sublayer(nn.Module):
+    """Residual wrapper: pre-norm `x + f(N(x))` or post-norm `N(x + f(x))`, N as `make_norm`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = make_norm(cfg)
+        self.dropout = Dropout(cfg.dropout)
+        self.pre_norm = cfg.pre_norm
 
     def forward(self, x: torch.Tensor, y_of: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if self.pre_norm:
@@ -420,8 +446,8 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=False)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
-        self.sub_attn = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
-        self.sub_ffn = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.sub_attn = Sublayer(cfg)
+        self.sub_ffn = Sublayer(cfg)
 
     def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
         x = self.sub_attn(x, lambda h: self.self_attn(h, mask=src_mask))
@@ -434,9 +460,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=False)
         self.cross_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=True)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
-        self.sub_self = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
-        self.sub_cross = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
-        self.sub_ffn = Sublayer(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.sub_self = Sublayer(cfg)
+        self.sub_cross = Sublayer(cfg)
+        self.sub_ffn = Sublayer(cfg)
 
     def forward(
         self,
@@ -478,16 +504,18 @@ class Seq2Seq(nn.Module):
             self._index_output_ids()
             # loading a state dict replaces output_ids: the columns follow
             self.register_load_state_dict_post_hook(lambda module, _keys: module._index_output_ids())
-        self.src_embed = Embedding(src_vocab_size, cfg.d_model, cfg.max_positions, cfg.dropout)
+        self.src_embed = Embedding(src_vocab_size, cfg.d_model, cfg.max_positions, cfg.dropout, cfg.fix_norm)
         share_src_tgt = cfg.tie_embeddings and joint_vocab
         self.tgt_embed = (
-            self.src_embed if share_src_tgt else Embedding(tgt_vocab_size, cfg.d_model, cfg.max_positions, cfg.dropout)
+            self.src_embed
+            if share_src_tgt
+            else Embedding(tgt_vocab_size, cfg.d_model, cfg.max_positions, cfg.dropout, cfg.fix_norm)
         )
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
         # pre-LN stacks need a final norm; post-LN outputs are already normalised
-        self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
-        self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
+        self.encoder_norm = make_norm(cfg) if cfg.pre_norm else nn.Identity()
+        self.decoder_norm = make_norm(cfg) if cfg.pre_norm else nn.Identity()
         self.output_proj = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
         self._packed_output: torch.Tensor | None = None  # set inside `packed_weights` only
         self._init_weights()
@@ -534,8 +562,10 @@ class Seq2Seq(nn.Module):
     @property
     def output_weight(self) -> torch.Tensor:
         """(V, D) weight of the output projection; with `output_ids`, only their rows of
-        `output_table` (V = len(output_ids))."""
+        `output_table` (V = len(output_ids)); with `model.fix_norm`, each row at unit length."""
         weight = self.output_table
+        if self.cfg.fix_norm:
+            weight = F.normalize(weight, dim=-1)
         return weight if self.output_ids is None else weight.index_select(0, self.output_ids)
 
     def project(self, states: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

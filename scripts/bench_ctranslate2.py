@@ -175,6 +175,11 @@ def main() -> None:
     side_by_side = max(2, decode_workers(0, torch.device("cpu")))  # mtx's default layout, at least 2
     run = load_run(args.run)
     cfg = run.cfg
+    if cfg.model.norm != "layer" or cfg.model.fix_norm:
+        sys.exit(
+            "bench_ctranslate2: the run's model uses model.norm=scale or model.fix_norm, which CTranslate2's "
+            "Transformer has no place for; benchmark a run with LayerNorm and fix_norm false"
+        )
     n, batches = split_batches(run, args.split, args.sentences, args.batch_sentences)
     a, b, alpha = cfg.decode.max_len_a, cfg.decode.max_len_b, cfg.decode.length_penalty
     src_vocab, tgt_vocab = _vocab(run.src_tok), _vocab(run.tgt_tok)

@@ -64,6 +64,7 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("train:\n  amp: fp8\n", "train.amp must be one of"),
         ("decode:\n  precision: fp16\n", "decode.precision must be one of"),
         ("decode:\n  stop: early\n", "decode.stop must be one of"),
+        ("model:\n  norm: rms\n", "model.norm must be one of"),
         ("train: [1, 2]\n", "section train must be a mapping"),
         ("- a\n- b\n", "top level must be a mapping"),
         ("train:\n  max_steps: [1\n", "malformed YAML at line"),

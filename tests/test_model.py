@@ -15,13 +15,21 @@ from mtx.train import label_smoothed_loss
 V = 50
 
 
-def _model(pre_norm: bool = True, dropout: float = 0.0, joint: bool = True, tie: bool = True) -> Seq2Seq:
+def _model(
+    pre_norm: bool = True, dropout: float = 0.0, joint: bool = True, tie: bool = True, scale_norm: bool = False
+) -> Seq2Seq:
+    """A small model; `scale_norm`: ScaleNorm layers and FixNorm embeddings instead of LayerNorm."""
     torch.manual_seed(0)
     cfg = ModelConfig(
         d_model=32, n_heads=4, d_ff=64, n_encoder_layers=2, n_decoder_layers=2, dropout=dropout,
         pre_norm=pre_norm, tie_embeddings=tie, max_positions=64,
+        norm="scale" if scale_norm else "layer", fix_norm=scale_norm,
     )  # fmt: skip
     return Seq2Seq(cfg, V, V if joint else V + 7, joint_vocab=joint).eval()
+
+
+# (pre_norm, scale_norm): pre-LN, post-LN, and pre-norm with ScaleNorm + FixNorm
+NORMS = pytest.mark.parametrize(("pre_norm", "scale_norm"), [(True, False), (False, False), (True, True)])
 
 
 SRC_IDS = [[5, 6, 7, 8, 9], [10, 11, 12]]
@@ -36,9 +44,9 @@ def _batch(src: list[list[int]], tgt: list[list[int]]) -> Batch:
     return ParallelIds(src, tgt).batch(range(len(src)))
 
 
-@pytest.mark.parametrize("pre_norm", [True, False])
-def test_padding_does_not_change_encoder_or_decoder_outputs(pre_norm: bool) -> None:
-    model = _model(pre_norm)
+@NORMS
+def test_padding_does_not_change_encoder_or_decoder_outputs(pre_norm: bool, scale_norm: bool) -> None:
+    model = _model(pre_norm, scale_norm=scale_norm)
     src = _src()
     tgt = torch.tensor([[BOS, 20, 21], [BOS, 22, 23]])
     logits = model(src, tgt)
@@ -67,9 +75,9 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
-@pytest.mark.parametrize("pre_norm", [True, False])
-def test_cached_and_uncached_decoder_logits_agree(pre_norm: bool, device: str) -> None:
-    model = _model(pre_norm).to(device)
+@NORMS
+def test_cached_and_uncached_decoder_logits_agree(pre_norm: bool, scale_norm: bool, device: str) -> None:
+    model = _model(pre_norm, scale_norm=scale_norm).to(device)
     src = _src().to(device)
     tgt = torch.tensor([[BOS, 20, 21, 22, 23], [BOS, 24, 25, 26, 27]], device=device)
     mask = make_src_mask(src)
@@ -174,20 +182,49 @@ def test_weight_tying() -> None:
     assert untied.output_proj is not None
 
 
-@pytest.mark.parametrize("pre_norm", [True, False])
-def test_overfits_one_batch(pre_norm: bool) -> None:
+@NORMS
+def test_overfits_one_batch(pre_norm: bool, scale_norm: bool) -> None:
     torch.manual_seed(0)
-    model = _model(pre_norm, dropout=0.0).train()
+    model = _model(pre_norm, dropout=0.0, scale_norm=scale_norm).train()
     src = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
     tgt = [[20, 21, 22], [23, 24, 25, 26], [27, 28], [29, 30, 31, 32, 33]]
     batch = _batch(src, tgt)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    # FixNorm bounds the logits by the final ScaleNorm's gain, which Adam grows by about lr a step
+    opt = torch.optim.Adam(model.parameters(), lr=3e-2 if scale_norm else 3e-3)
     for _ in range(150):
         loss = label_smoothed_loss(model, batch, 0.0) / batch.n_tgt_tokens
         opt.zero_grad()
         loss.backward()
         opt.step()
     assert loss.item() < 0.02
+
+
+def test_scale_norm_and_fix_norm() -> None:
+    """ScaleNorm outputs have length g (sqrt(D) at first, in float32 whatever the input's type);
+    with FixNorm every token enters at length sqrt(D) before positions are added, the output
+    projection's rows have unit length and the logits are the final states' products with them."""
+    model = _model(scale_norm=True)
+    norm = model.decoder_norm
+    assert isinstance(norm, mtx.model.ScaleNorm)
+    x = torch.randn(3, 5, 32) * 7
+    lengths = torch.linalg.vector_norm(norm(x), dim=-1)
+    assert torch.allclose(lengths, torch.full_like(lengths, 32**0.5), atol=1e-4)
+    assert norm(x.bfloat16()).dtype == torch.bfloat16
+    with torch.no_grad():
+        norm.gain.fill_(3.0)
+    assert torch.allclose(torch.linalg.vector_norm(norm(x), dim=-1), torch.full((3, 5), 3.0), atol=1e-4)
+    embed = model.src_embed
+    with torch.no_grad():
+        embed.tokens.weight[7].mul_(5.0)  # a long row enters at the same length as the others
+    ids = torch.tensor([[6, 7, PAD]])
+    vectors = embed(ids) - embed.positions[:3]
+    assert torch.allclose(torch.linalg.vector_norm(vectors[0, :2], dim=-1), torch.full((2,), 32**0.5), atol=1e-4)
+    assert torch.equal(vectors[0, 2], torch.zeros(32))  # PAD's zero row stays zero
+    rows = torch.linalg.vector_norm(model.output_weight[1:], dim=-1)  # row 0 is PAD's zero row
+    assert torch.allclose(rows, torch.ones_like(rows), atol=1e-5)
+    states = torch.randn(2, 4, 32)
+    want = states @ torch.nn.functional.normalize(model.output_table, dim=-1).T
+    assert torch.allclose(model.project(states), want, atol=1e-5)
 
 
 @pytest.mark.parametrize("pre_norm", [True, False])
