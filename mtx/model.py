@@ -564,9 +564,9 @@ class Seq2Seq(nn.Module):
         """(V, D) weight of the output projection; with `output_ids`, only their rows of
         `output_table` (V = len(output_ids)); with `model.fix_norm`, each row at unit length."""
         weight = self.output_table
-        if self.cfg.fix_norm:
-            weight = F.normalize(weight, dim=-1)
-        return weight if self.output_ids is None else weight.index_select(0, self.output_ids)
+        if self.output_ids is not None:  # select first: only the kept rows need normalising
+            weight = weight.index_select(0, self.output_ids)
+        return F.normalize(weight, dim=-1) if self.cfg.fix_norm else weight
 
     def project(self, states: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """(..., D) decoder states -> (..., V) logits (tied to the target embedding by default),
