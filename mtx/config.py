@@ -29,6 +29,10 @@ class DataConfig:
     train_split: str = "train"
     valid_split: str = "val"
     max_len: int = 128  # training pairs with more BPE tokens on either side are skipped
+    # more source languages of the train split (e.g. [fr, cs] on Multi30k), each paired with the
+    # same target sentences, for many-to-one training in the epochs train.extra_sources covers;
+    # encoded with the source tokenizer, which is trained on src_lang and tgt_lang only
+    extra_src_langs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,9 @@ class TrainConfig:
     # ways, and every later epoch adds (src, its translation) and (tgt's translation, tgt) to the
     # real pairs; needs train.bidirectional >= it (the model must still know tgt->src); 0: off
     diversify: float = 0.0
+    # many-to-one training: the epochs that start within this fraction of the budget add the
+    # (extra language, tgt) pairs of data.extra_src_langs to the training pairs; 0: off
+    extra_sources: float = 0.0
     clip_norm: float = 1.0  # 0: no clipping
     amp: str = "auto"  # auto | bf16 | fp16 | fp32
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
@@ -199,6 +206,7 @@ _UNIT_INTERVAL = {
     "train.tgt_word_dropout",
     "train.bidirectional",
     "train.diversify",
+    "train.extra_sources",
 }
 
 
@@ -214,6 +222,8 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise bad
         args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[T, ...]: any length
+            return tuple(_convert(v, args[0], key, where) for v in value)
         if len(value) != len(args):
             raise bad
         return tuple(_convert(v, a, key, where) for v, a in zip(value, args, strict=True))
@@ -247,7 +257,10 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
 
 def _type_name(hint: Any) -> str:
     if typing.get_origin(hint) is tuple:
-        return "a list of " + ", ".join(a.__name__ for a in typing.get_args(hint))
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return "a list of " + {str: "strings", int: "integers", float: "numbers"}.get(args[0], str(args[0]))
+        return "a list of " + ", ".join(a.__name__ for a in args)
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
 
 
@@ -333,6 +346,20 @@ def validate(cfg: Config, where: str = "config") -> None:
         raise ConfigError(f"{where}: model.d_model must be even (sinusoidal positions)")
     if cfg.data.src_lang == cfg.data.tgt_lang:
         raise ConfigError(f"{where}: data.src_lang and data.tgt_lang are both {cfg.data.src_lang!r}")
+    extra = cfg.data.extra_src_langs
+    for lang in extra:
+        if not lang or lang in (cfg.data.src_lang, cfg.data.tgt_lang) or extra.count(lang) > 1:
+            raise ConfigError(
+                f"{where}: data.extra_src_langs must list other languages than data.src_lang and data.tgt_lang, "
+                f"each once, got {list(extra)}"
+            )
+    if cfg.train.extra_sources and not extra:
+        raise ConfigError(f"{where}: train.extra_sources needs data.extra_src_langs (e.g. [fr, cs])")
+    if extra and not cfg.train.extra_sources:
+        raise ConfigError(
+            f"{where}: data.extra_src_langs is set but train.extra_sources is 0; set the fraction of the budget "
+            "that trains on them (e.g. 0.5)"
+        )
     if cfg.tokenizer.vocab_size < 300:
         raise ConfigError(
             f"{where}: tokenizer.vocab_size must be >= 300 (256 bytes + specials), got {cfg.tokenizer.vocab_size}"

@@ -43,7 +43,9 @@ from mtx.data import (
     load_corpus,
     padding_fraction,
     plan_batches,
+    read_parallel,
     resolve_data_dir,
+    split_file,
     texts,
 )
 from mtx.errors import CheckpointError, Interrupted, MtxError
@@ -505,6 +507,7 @@ class TrainState:
     elapsed: float = 0.0  # training seconds over all sessions
     both_ways_epochs: int = 0  # the first epochs, trained on every pair both ways (train.bidirectional)
     diversified_epoch: int = -1  # the first epoch that adds the model's translations of train (train.diversify)
+    extra_source_epochs: int = 0  # the first epochs, with data.extra_src_langs' pairs added (train.extra_sources)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -645,6 +648,7 @@ class Trainer:
             )
         self.train_ids = ParallelIds.encode(train_src, train_tgt, self.src_tok, self.tgt_tok, cfg.data.max_len)
         self.train_texts = (train_src, train_tgt)
+        self.extra_ids = self._extra_source_ids(data_dir)  # (extra language, tgt) pairs, or None
         self.epoch_ids: tuple[int, ParallelIds] | None = None  # (epoch, its BPE-dropout segmentation)
         self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
         self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
@@ -852,7 +856,7 @@ class Trainer:
             if tc.max_epochs and self.state.epoch >= tc.max_epochs:
                 return
             if self.state.batch == 0:
-                self._plan_direction()
+                self._plan_phases()
                 self._plan_diversify()
             batches = epoch_batches(
                 self._epoch_ids(self.state.epoch),
@@ -874,24 +878,63 @@ class Trainer:
             self.state.epoch += 1
             self.state.batch = 0
 
-    def _plan_direction(self) -> None:
-        """At the start of an epoch: with train.bidirectional, whether it trains both ways, which
-        it does while every earlier epoch did and less than that fraction of the budget is used
-        (BiT, Ding et al., 2021). The count is part of the state, so a resume replays the epoch."""
-        st, tc = self.state, self.cfg.train
-        if not tc.bidirectional or st.both_ways_epochs < st.epoch:
-            return
-        if self._from_main(budget_used(st.step, tc, st.elapsed) < tc.bidirectional):  # ranks' clocks differ
-            st.both_ways_epochs = st.epoch + 1
-        elif self.ranks.is_main:
+    def _extra_source_ids(self, data_dir: Path) -> ParallelIds | None:
+        """The train split's pairs from each of data.extra_src_langs to the target language,
+        encoded with the source tokenizer (many-to-one training, train.extra_sources)."""
+        data = self.cfg.data
+        if not data.extra_src_langs:
+            return None
+        src: list[str] = []
+        tgt: list[str] = []
+        for lang in data.extra_src_langs:
+            lines = read_parallel(
+                split_file(data_dir, data.train_split, lang), split_file(data_dir, data.train_split, data.tgt_lang)
+            )
+            src += lines[0]
+            tgt += lines[1]
+        ids = ParallelIds.encode(src, tgt, self.src_tok, self.tgt_tok, data.max_len)
+        if self.ranks.is_main:
             log.info(
-                "epoch %d: %s->%s only from here on (train.bidirectional=%g of the budget used at step %d)",
+                "%d extra training pairs from %s (train.extra_sources=%g of the budget)",
+                len(ids),
+                "/".join(data.extra_src_langs),
+                self.cfg.train.extra_sources,
+            )
+        return ids
+
+    def _plan_phases(self) -> None:
+        """At the start of an epoch: whether it still trains both ways (train.bidirectional; BiT,
+        Ding et al., 2021) and on the extra source languages (train.extra_sources)."""
+        st, tc, data = self.state, self.cfg.train, self.cfg.data
+        st.both_ways_epochs = self._phase_end(
+            tc.bidirectional, st.both_ways_epochs, "train.bidirectional", f"{data.src_lang}->{data.tgt_lang} only"
+        )
+        st.extra_source_epochs = self._phase_end(
+            tc.extra_sources,
+            st.extra_source_epochs,
+            "train.extra_sources",
+            f"no {'/'.join(data.extra_src_langs)} sources",
+        )
+
+    def _phase_end(self, fraction: float, epochs: int, key: str, after: str) -> int:
+        """The number of first epochs a phase covers (`epochs` so far): the current epoch joins it
+        while every earlier epoch did and less than `fraction` of the budget is used. The counts
+        are part of the state, so a resume replays the epoch."""
+        st = self.state
+        if not fraction or epochs < st.epoch:
+            return epochs
+        if self._from_main(budget_used(st.step, self.cfg.train, st.elapsed) < fraction):  # ranks' clocks differ
+            return st.epoch + 1
+        if self.ranks.is_main:
+            log.info(
+                "epoch %d: %s from here on (%s=%g of the budget used at step %d)",
                 st.epoch,
-                self.cfg.data.src_lang,
-                self.cfg.data.tgt_lang,
-                tc.bidirectional,
+                after,
+                key,
+                fraction,
                 st.step,
             )
+        return epochs
 
     def _plan_diversify(self) -> None:
         """At the start of an epoch: with train.diversify, once that fraction of the budget is
@@ -948,11 +991,15 @@ class Trainer:
     def _epoch_ids(self, epoch: int) -> ParallelIds:
         """The training ids of `epoch`: always the same, or with tokenizer.bpe_dropout a fresh
         segmentation per epoch, drawn on rank 0 and sent to the other ranks; each pair also
-        reversed in the first `state.both_ways_epochs` epochs (train.bidirectional); the model's
-        translations of train added from `state.diversified_epoch` on (train.diversify)."""
+        reversed in the first `state.both_ways_epochs` epochs (train.bidirectional); the pairs of
+        the extra source languages added in the first `state.extra_source_epochs` epochs
+        (train.extra_sources); the model's translations of train added from
+        `state.diversified_epoch` on (train.diversify)."""
         ids = self._segmented_ids(epoch)
         if epoch < self.state.both_ways_epochs:
             ids = ids.both_ways()
+        if self.extra_ids is not None and epoch < self.state.extra_source_epochs:
+            ids = ids + self.extra_ids
         if self.synthetic is not None and epoch >= self.state.diversified_epoch:
             ids = ids + self.synthetic
         return ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ from mtx import train as train_module
 from mtx.checkpoint import FORMAT_VERSION, load_checkpoint
 from mtx.cli import main
 from mtx.config import TokenizerConfig, load_config
-from mtx.data import ParallelIds
+from mtx.data import ParallelIds, read_lines
 from mtx.tokenizer import train_bpe
 
 from .conftest import REPO, tiny_args
@@ -165,6 +166,41 @@ def test_bidirectional_epochs_train_both_ways_then_one_way_and_resume_exactly(tm
     one_way, both = trainer._epoch_ids(n_both), trainer._epoch_ids(n_both - 1)
     assert one_way is trainer.train_ids and len(both) == 2 * len(one_way)
     assert both.src_ids[len(one_way) :] == one_way.tgt_ids and both.tgt_ids[len(one_way) :] == one_way.src_ids
+
+
+def test_extra_source_languages_join_the_first_epochs_and_resume_exactly(
+    tmp_path: Path, mini_data: Path, shared_data: Path
+) -> None:
+    # de->en with French as a second source: the epochs that start within 0.85 of the 70 steps
+    # add the 400 (fr, en) pairs (21 batches an epoch with them: epoch 1 starts at 0.84 of the
+    # split run's 25 steps); the split run stops inside epoch 1 and resumes to step 70
+    data = shutil.copytree(mini_data, tmp_path / "data")
+    with gzip.open(shared_data / "train.fr.gz", "rt", encoding="utf-8") as f:
+        (data / "train.fr").write_text("".join(next(f) for _ in range(400)), encoding="utf-8")
+    common = ("--set", "data.extra_src_langs=[fr]", "--set", "train.extra_sources=0.85", "--set", "train.eval_every=25")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(mini_args(data, straight, *common, "--set", "train.max_steps=70")) == 0
+    assert main(mini_args(data, split, *common, "--set", "train.max_steps=25")) == 0
+    middle = load_weights_only(split / "checkpoints" / "last.pt")["state"]
+    assert middle["epoch"] == 1 and middle["batch"] > 0 and middle["extra_source_epochs"] == 2
+    assert main(["train", "--run-dir", str(split), "--resume", "--set", "train.max_steps=70"]) == 0
+
+    a = load_weights_only(straight / "checkpoints" / "last.pt")
+    b = load_weights_only(split / "checkpoints" / "last.pt")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert {k: v for k, v in a["state"].items() if k != "elapsed"} == {
+        k: v for k, v in b["state"].items() if k != "elapsed"
+    }
+    n_extra = a["state"]["extra_source_epochs"]  # epoch 3 started at 0.9 of the 70 steps: without them
+    assert n_extra == a["state"]["epoch"] == 3 and a["state"]["batch"] > 0
+    trainer = train_module.Trainer(load_config(split / "config.yaml"), split, resume=True)
+    real, extra = trainer.train_ids, trainer.extra_ids
+    assert extra is not None and trainer._epoch_ids(n_extra) is real
+    first = trainer._epoch_ids(n_extra - 1)
+    assert first.src_ids == real.src_ids + extra.src_ids and first.tgt_ids == real.tgt_ids + extra.tgt_ids
+    # the same English targets, French sources through the (de+en) source tokenizer
+    french = read_lines(data / "train.fr")
+    assert extra.tgt_ids == real.tgt_ids and trainer.src_tok.decode_batch(extra.src_ids) == french
 
 
 def test_diversify_adds_the_models_translations_and_resumes_exactly(tmp_path: Path, mini_data: Path) -> None:
