@@ -38,7 +38,9 @@ def split_file(data_dir: Path, split: str, lang: str) -> Path:
     for name in (f"{split}.{lang}", f"{split}.{lang}.gz"):
         if (data_dir / name).is_file():
             return data_dir / name
-    raise DataError(f"{data_dir}: no {split}.{lang} or {split}.{lang}.gz (split {split!r} missing)")
+    raise DataError(
+        f"{data_dir}: no {split}.{lang} or {split}.{lang}.gz (split {split!r} missing, or language {lang!r} not in it)"
+    )
 
 
 def available_splits(data_dir: Path, src_lang: str, tgt_lang: str) -> list[str]:

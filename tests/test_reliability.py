@@ -492,6 +492,14 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ("dev.de", "split 'dev' missing"),
     ),
     (
+        "missing extra source language",
+        lambda t, d, r: (
+            tiny_args(d, t / "r", "--set", "data.extra_src_langs=[fr]", "--set", "train.extra_sources=0.5"),
+            None,
+        ),
+        ("train.fr", "language 'fr' not in it"),
+    ),
+    (
         "mismatched line counts",
         lambda t, d, r: (
             tiny_args(_data_copy(d, t / "d", lambda p: _drop_last(p / "val.en")), t / "r"),
