@@ -156,6 +156,20 @@ def load_corpus(data_dir: Path, cfg: DataConfig, splits: Sequence[str]) -> datas
     return datasets.DatasetDict(out)
 
 
+def extra_source_texts(data_dir: Path, cfg: DataConfig) -> tuple[list[str], list[str]]:
+    """The train split's pairs from each of `cfg.extra_src_langs` to the target language, one
+    language after the other (many-to-one training, train.extra_sources); none when unset."""
+    src: list[str] = []
+    tgt: list[str] = []
+    for lang in cfg.extra_src_langs:
+        lines = read_parallel(
+            split_file(data_dir, cfg.train_split, lang), split_file(data_dir, cfg.train_split, cfg.tgt_lang)
+        )
+        src += lines[0]
+        tgt += lines[1]
+    return src, tgt
+
+
 def texts(split: datasets.Dataset) -> tuple[list[str], list[str]]:
     """(source lines, target lines) of a loaded split as plain lists."""
     columns = split.to_dict()

@@ -40,12 +40,11 @@ from mtx.data import (
     Batch,
     ParallelIds,
     epoch_batches,
+    extra_source_texts,
     load_corpus,
     padding_fraction,
     plan_batches,
-    read_parallel,
     resolve_data_dir,
-    split_file,
     texts,
 )
 from mtx.errors import CheckpointError, Interrupted, MtxError
@@ -884,14 +883,7 @@ class Trainer:
         data = self.cfg.data
         if not data.extra_src_langs:
             return None
-        src: list[str] = []
-        tgt: list[str] = []
-        for lang in data.extra_src_langs:
-            lines = read_parallel(
-                split_file(data_dir, data.train_split, lang), split_file(data_dir, data.train_split, data.tgt_lang)
-            )
-            src += lines[0]
-            tgt += lines[1]
+        src, tgt = extra_source_texts(data_dir, data)
         ids = ParallelIds.encode(src, tgt, self.src_tok, self.tgt_tok, data.max_len)
         if self.ranks.is_main:
             log.info(
@@ -1332,6 +1324,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     device = rank_device(cfg.train.device, ranks)
     amp_dtype(device, cfg.train.amp)
     corpus = load_corpus(resolve_data_dir(cfg.data), cfg.data, [cfg.data.train_split, cfg.data.valid_split])
+    extra_source_texts(resolve_data_dir(cfg.data), cfg.data)  # their files too, before anything is written
     if ranks.world_size > 1:
         start_process_group(device, ranks)
     mtx_log = logging.getLogger("mtx")

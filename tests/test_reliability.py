@@ -142,27 +142,33 @@ def test_bpe_dropout_resegments_each_epoch_and_a_resumed_epoch_keeps_its_own(tmp
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=14"]) == 0
 
 
-def test_bidirectional_epochs_train_both_ways_then_one_way_and_resume_exactly(tmp_path: Path, mini_data: Path) -> None:
-    # the epochs that start within 0.75 of the 70 steps train both ways; the split run stops at
-    # step 25, inside its second epoch (both ways, about 18 batches each), and resumes to step 70
-    common = ("--set", "train.bidirectional=0.75", "--set", "train.eval_every=25")
+def straight_and_split_at_25(tmp_path: Path, data: Path, *common: str) -> tuple[dict, dict]:
+    """A run of 70 steps, and one stopped at step 25 and resumed to 70, which must end in the
+    same weights and state. Returns (the straight run's last.pt, the split run's state at 25)."""
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert main(mini_args(mini_data, straight, *common, "--set", "train.max_steps=70")) == 0
-    assert main(mini_args(mini_data, split, *common, "--set", "train.max_steps=25")) == 0
+    common = (*common, "--set", "train.eval_every=25")
+    assert main(mini_args(data, straight, *common, "--set", "train.max_steps=70")) == 0
+    assert main(mini_args(data, split, *common, "--set", "train.max_steps=25")) == 0
     middle = load_weights_only(split / "checkpoints" / "last.pt")["state"]
-    assert middle["epoch"] == 1 and middle["batch"] > 0 and middle["both_ways_epochs"] == 2
     assert main(["train", "--run-dir", str(split), "--resume", "--set", "train.max_steps=70"]) == 0
-
     a = load_weights_only(straight / "checkpoints" / "last.pt")
     b = load_weights_only(split / "checkpoints" / "last.pt")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert {k: v for k, v in a["state"].items() if k != "elapsed"} == {
         k: v for k, v in b["state"].items() if k != "elapsed"
     }
+    return a, middle
+
+
+def test_bidirectional_epochs_train_both_ways_then_one_way_and_resume_exactly(tmp_path: Path, mini_data: Path) -> None:
+    # the epochs that start within 0.75 of the 70 steps train both ways; the split run stops at
+    # step 25, inside its second epoch (both ways, about 18 batches each), and resumes to step 70
+    a, middle = straight_and_split_at_25(tmp_path, mini_data, "--set", "train.bidirectional=0.75")
+    assert middle["epoch"] == 1 and middle["batch"] > 0 and middle["both_ways_epochs"] == 2
     # the epochs that started past 0.75 of the budget: src->tgt only
     n_both = a["state"]["both_ways_epochs"]
     assert 2 <= n_both < a["state"]["epoch"]
-    trainer = train_module.Trainer(load_config(split / "config.yaml"), split, resume=True)
+    trainer = train_module.Trainer(load_config(tmp_path / "split" / "config.yaml"), tmp_path / "split", resume=True)
     one_way, both = trainer._epoch_ids(n_both), trainer._epoch_ids(n_both - 1)
     assert one_way is trainer.train_ids and len(both) == 2 * len(one_way)
     assert both.src_ids[len(one_way) :] == one_way.tgt_ids and both.tgt_ids[len(one_way) :] == one_way.src_ids
@@ -177,23 +183,12 @@ def test_extra_source_languages_join_the_first_epochs_and_resume_exactly(
     data = shutil.copytree(mini_data, tmp_path / "data")
     with gzip.open(shared_data / "train.fr.gz", "rt", encoding="utf-8") as f:
         (data / "train.fr").write_text("".join(next(f) for _ in range(400)), encoding="utf-8")
-    common = ("--set", "data.extra_src_langs=[fr]", "--set", "train.extra_sources=0.85", "--set", "train.eval_every=25")
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    assert main(mini_args(data, straight, *common, "--set", "train.max_steps=70")) == 0
-    assert main(mini_args(data, split, *common, "--set", "train.max_steps=25")) == 0
-    middle = load_weights_only(split / "checkpoints" / "last.pt")["state"]
+    common = ("--set", "data.extra_src_langs=[fr]", "--set", "train.extra_sources=0.85")
+    a, middle = straight_and_split_at_25(tmp_path, data, *common)
     assert middle["epoch"] == 1 and middle["batch"] > 0 and middle["extra_source_epochs"] == 2
-    assert main(["train", "--run-dir", str(split), "--resume", "--set", "train.max_steps=70"]) == 0
-
-    a = load_weights_only(straight / "checkpoints" / "last.pt")
-    b = load_weights_only(split / "checkpoints" / "last.pt")
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert {k: v for k, v in a["state"].items() if k != "elapsed"} == {
-        k: v for k, v in b["state"].items() if k != "elapsed"
-    }
     n_extra = a["state"]["extra_source_epochs"]  # epoch 3 started at 0.9 of the 70 steps: without them
     assert n_extra == a["state"]["epoch"] == 3 and a["state"]["batch"] > 0
-    trainer = train_module.Trainer(load_config(split / "config.yaml"), split, resume=True)
+    trainer = train_module.Trainer(load_config(tmp_path / "split" / "config.yaml"), tmp_path / "split", resume=True)
     real, extra = trainer.train_ids, trainer.extra_ids
     assert extra is not None and trainer._epoch_ids(n_extra) is real
     first = trainer._epoch_ids(n_extra - 1)
@@ -221,7 +216,7 @@ def test_diversify_adds_the_models_translations_and_resumes_exactly(tmp_path: Pa
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert all(torch.equal(a["synthetic"][k], b["synthetic"][k]) for k in a["synthetic"])
 
-    trainer = train_module.Trainer(load_config(split / "config.yaml"), split, resume=True)
+    trainer = train_module.Trainer(load_config(tmp_path / "split" / "config.yaml"), tmp_path / "split", resume=True)
     real, synthetic = trainer.train_ids, trainer.synthetic
     assert synthetic is not None and len(real) < len(synthetic) <= 2 * len(real)
     assert trainer._epoch_ids(1).src_ids == real.src_ids + real.tgt_ids  # before: the real pairs both ways
