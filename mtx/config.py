@@ -31,7 +31,7 @@ class DataConfig:
     max_len: int = 128  # training pairs with more BPE tokens on either side are skipped
     # more source languages of the train split (e.g. [fr, cs] on Multi30k), each paired with the
     # same target sentences, for many-to-one training in the epochs train.extra_sources covers;
-    # encoded with the source tokenizer, which is trained on src_lang and tgt_lang only
+    # encoded with the source tokenizer, which is trained without them
     extra_src_langs: tuple[str, ...] = ()
 
 
