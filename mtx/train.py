@@ -615,6 +615,7 @@ class Trainer:
         resume: bool,
         corpus: datasets.DatasetDict | None = None,
         ranks: Ranks | None = None,
+        extra_texts: tuple[list[str], list[str]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
@@ -647,7 +648,9 @@ class Trainer:
             )
         self.train_ids = ParallelIds.encode(train_src, train_tgt, self.src_tok, self.tgt_tok, cfg.data.max_len)
         self.train_texts = (train_src, train_tgt)
-        self.extra_ids = self._extra_source_ids(data_dir)  # (extra language, tgt) pairs, or None
+        if extra_texts is None:
+            extra_texts = extra_source_texts(data_dir, cfg.data)
+        self.extra_ids = self._extra_source_ids(*extra_texts)  # (extra language, tgt) pairs, or None
         self.epoch_ids: tuple[int, ParallelIds] | None = None  # (epoch, its BPE-dropout segmentation)
         self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
         self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
@@ -877,13 +880,13 @@ class Trainer:
             self.state.epoch += 1
             self.state.batch = 0
 
-    def _extra_source_ids(self, data_dir: Path) -> ParallelIds | None:
-        """The train split's pairs from each of data.extra_src_langs to the target language,
-        encoded with the source tokenizer (many-to-one training, train.extra_sources)."""
+    def _extra_source_ids(self, src: list[str], tgt: list[str]) -> ParallelIds | None:
+        """The train split's pairs from each of data.extra_src_langs to the target language
+        (`extra_source_texts`), encoded with the source tokenizer (many-to-one training,
+        train.extra_sources)."""
         data = self.cfg.data
         if not data.extra_src_langs:
             return None
-        src, tgt = extra_source_texts(data_dir, data)
         ids = ParallelIds.encode(src, tgt, self.src_tok, self.tgt_tok, data.max_len)
         if self.ranks.is_main:
             log.info(
@@ -1323,8 +1326,9 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     check_run_dir(run_dir, cfg, resume)
     device = rank_device(cfg.train.device, ranks)
     amp_dtype(device, cfg.train.amp)
-    corpus = load_corpus(resolve_data_dir(cfg.data), cfg.data, [cfg.data.train_split, cfg.data.valid_split])
-    extra_source_texts(resolve_data_dir(cfg.data), cfg.data)  # their files too, before anything is written
+    data_dir = resolve_data_dir(cfg.data)
+    corpus = load_corpus(data_dir, cfg.data, [cfg.data.train_split, cfg.data.valid_split])
+    extra_texts = extra_source_texts(data_dir, cfg.data)  # like the corpus: read before anything is written
     if ranks.world_size > 1:
         start_process_group(device, ranks)
     mtx_log = logging.getLogger("mtx")
@@ -1340,7 +1344,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
         else:
             mtx_log.setLevel(logging.WARNING)  # rank 0 reports for the job
         with StopRequest() as stop:
-            trainer = Trainer(cfg, run_dir, resume, corpus, ranks)
+            trainer = Trainer(cfg, run_dir, resume, corpus, ranks, extra_texts)
             if resume and ranks.is_main:  # record --set changes, now that the checkpoint has been restored
                 ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
             try:
