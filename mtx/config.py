@@ -56,6 +56,9 @@ class ModelConfig:
     n_decoder_layers: int = 3
     dropout: float = 0.1
     attention_dropout: float = 0.0
+    # dropout on the FFN's hidden ReLU output; -1: model.dropout (fairseq's activation_dropout,
+    # which is 0 there by default)
+    activation_dropout: float = -1.0
     pre_norm: bool = True
     # layer: LayerNorm | scale: ScaleNorm, g * x / ||x|| with one learned g per norm (Nguyen &
     # Salazar, 2019, "Transformers without Tears")
@@ -338,6 +341,11 @@ def validate(cfg: Config, where: str = "config") -> None:
         if not 0.0 <= flat[key] < 1.0:
             raise ConfigError(f"{where}: {key} must be in [0, 1), got {flat[key]!r}")
     m = cfg.model
+    if m.activation_dropout != -1.0 and not 0.0 <= m.activation_dropout < 1.0:
+        raise ConfigError(
+            f"{where}: model.activation_dropout must be -1 (as model.dropout) or in [0, 1), "
+            f"got {m.activation_dropout!r}"
+        )
     if m.d_model % m.n_heads:
         raise ConfigError(f"{where}: model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     if (m.d_model // m.n_heads) % 2:

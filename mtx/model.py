@@ -48,9 +48,13 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
 
 
 class Dropout(nn.Module):
-    def __init__(self, p: float) -> None:
+    """`fixed`: a rate of its own (model.activation_dropout), not model.dropout's, so
+    train.dropout_warmup (`mtx.train.set_dropout`) leaves it alone."""
+
+    def __init__(self, p: float, fixed: bool = False) -> None:
         super().__init__()
         self.p = p
+        self.fixed = fixed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dropout(x, self.p, self.training)
@@ -397,11 +401,12 @@ def _grouped_attention(
 
 
 class FeedForward(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, dropout: float) -> None:
+    def __init__(self, d_model: int, d_ff: int, dropout: float, activation_dropout: float = -1.0) -> None:
         super().__init__()
         self.fc1 = Linear(d_model, d_ff)
         self.fc2 = Linear(d_ff, d_model)
-        self.dropout = Dropout(dropout)
+        # activation_dropout -1: the rate of model.dropout, which train.dropout_warmup ramps too
+        self.dropout = Dropout(dropout) if activation_dropout < 0 else Dropout(activation_dropout, fixed=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.dropout(F.relu(self.fc1(x))))  # (B, L, D) -> (B, L, F) -> (B, L, D)
@@ -445,7 +450,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.self_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=False)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.activation_dropout)
         self.sub_attn = Sublayer(cfg)
         self.sub_ffn = Sublayer(cfg)
 
@@ -459,7 +464,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=False)
         self.cross_attn = Attention(cfg.d_model, cfg.n_heads, cfg.attention_dropout, cross=True)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.dropout, cfg.activation_dropout)
         self.sub_self = Sublayer(cfg)
         self.sub_cross = Sublayer(cfg)
         self.sub_ffn = Sublayer(cfg)

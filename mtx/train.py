@@ -216,9 +216,10 @@ def drop_words(ids: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def set_dropout(model: torch.nn.Module, p: float) -> None:
-    """Set the rate of every residual/embedding/FFN dropout (model.dropout) in `model`."""
+    """Set the rate of every residual/embedding/FFN dropout (model.dropout) in `model`; an FFN
+    dropout with a rate of its own (model.activation_dropout >= 0) keeps it."""
     for module in model.modules():
-        if isinstance(module, Dropout):
+        if isinstance(module, Dropout) and not module.fixed:
             module.p = p
 
 

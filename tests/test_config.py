@@ -69,6 +69,8 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("decode:\n  precision: fp16\n", "decode.precision must be one of"),
         ("decode:\n  stop: early\n", "decode.stop must be one of"),
         ("model:\n  norm: rms\n", "model.norm must be one of"),
+        ("model:\n  activation_dropout: 1.0\n", r"model.activation_dropout must be -1 \(as model.dropout\) or in"),
+        ("model:\n  activation_dropout: -0.5\n", r"got -0.5"),
         ("train: [1, 2]\n", "section train must be a mapping"),
         ("- a\n- b\n", "top level must be a mapping"),
         ("train:\n  max_steps: [1\n", "malformed YAML at line"),

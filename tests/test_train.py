@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from mtx.cli import main
 from mtx.config import ModelConfig, TrainConfig
 from mtx.data import Batch
-from mtx.model import Dropout, Seq2Seq, dropout
+from mtx.model import Dropout, FeedForward, Seq2Seq, dropout
 from mtx.tokenizer import BOS, EOS, PAD, UNK
 from mtx.train import (
     MovingAverage,
@@ -64,6 +64,27 @@ def test_dropout_ramps_from_start_to_model_dropout_then_stays() -> None:
     set_dropout(model, 0.17)
     rates_in_model = {m.p for m in model.modules() if isinstance(m, Dropout)}
     assert rates_in_model == {0.17}  # embeddings, residual branches and FFNs all follow
+
+
+def test_activation_dropout_is_the_ffn_rate_of_its_own() -> None:
+    """model.activation_dropout sets the rate on the FFN's hidden ReLU; the default (-1) is
+    model.dropout's. A rate of its own stays put when train.dropout_warmup moves model.dropout."""
+    shape = {"d_model": 16, "n_heads": 2, "d_ff": 32, "n_encoder_layers": 2, "n_decoder_layers": 1, "dropout": 0.3}
+
+    def ffn_and_other_rates(model: Seq2Seq) -> tuple[set[float], set[float]]:
+        ffn = {m.dropout for m in model.modules() if isinstance(m, FeedForward)}
+        return {m.p for m in ffn}, {m.p for m in model.modules() if isinstance(m, Dropout) and m not in ffn}
+
+    assert ffn_and_other_rates(Seq2Seq(ModelConfig(**shape), 50, 50, joint_vocab=True)) == ({0.3}, {0.3})
+    model = Seq2Seq(ModelConfig(**shape, activation_dropout=0.0), 50, 50, joint_vocab=True)
+    assert ffn_and_other_rates(model) == ({0.0}, {0.3})
+    set_dropout(model, 0.17)
+    assert ffn_and_other_rates(model) == ({0.0}, {0.17})
+    # no dropout on the hidden ReLU: in training mode an FFN is then a deterministic function
+    model.train()
+    ffn = model.encoder_layers[0].ffn
+    x = torch.randn(3, 5, 16)
+    assert torch.equal(ffn(x), ffn(x))
 
 
 def test_adamw_decays_matrices_only_and_apart_from_the_gradient() -> None:
