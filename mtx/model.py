@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtx.config import ModelConfig
+from mtx.step import compiled_step, decoder_step, packed_linear, scale_norm, select_and_append, split_heads
 from mtx.tokenizer import EOS, PAD, UNK
 
 _CPU_LOW_PRECISION = [SDPBackend.MATH]
@@ -84,7 +85,7 @@ def _packable_dtypes() -> tuple[torch.dtype, ...]:
 
 
 def _pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """An (out, in) CPU weight packed for `_packed_linear`, or None where that is not possible
+    """An (out, in) CPU weight packed for `mtx.step.packed_linear`, or None where that is not possible
     (another device or dtype, see `_packable_dtypes`, or a torch build whose ops fail: then never
     tried again)."""
     global _can_pack
@@ -103,10 +104,6 @@ def _uses_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
     return packed is not None and x.dtype == packed.dtype and not torch.is_grad_enabled()
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 class Linear(nn.Linear):
     """`nn.Linear` that multiplies by `packed`, a prepacked copy of its weight, where one is set
     (inside `Seq2Seq.packed_weights`) and autograd does not record."""
@@ -115,7 +112,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _uses_packed(x, self.packed):
-            return _packed_linear(x, self.packed, self.bias)
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -136,7 +133,7 @@ class KVCache:
         self.self_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         self.cross_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layers
         # (B, H, 1, S) additive source mask (0 / -inf) of the cached decoding steps' cross-attention,
-        # made once per batch from its source mask and shared by every layer (`Attention._step`)
+        # made once per batch from its source mask and shared by every layer (`mtx.step.decoder_step`)
         self.cross_bias: torch.Tensor | None = None
         # rows of self_kv[i] still to select (`reorder`), applied in the copy that appends (`extend`)
         self.pending_rows: list[torch.Tensor | None] = [None] * n_layers
@@ -169,23 +166,9 @@ class KVCache:
         past = self.self_kv[layer]
         if past is not None:
             rows, self.pending_rows[layer] = self.pending_rows[layer], None
-            k, v = _select_and_append(past[0], rows, k), _select_and_append(past[1], rows, v)
+            k, v = select_and_append(past[0], rows, k), select_and_append(past[1], rows, v)
         self.self_kv[layer] = (k, v)
         return k, v
-
-
-def _select_and_append(past: torch.Tensor, rows: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    """`torch.cat([past.index_select(0, rows), new], dim=2)`, on CPU in one copy of `past` instead
-    of two (1.4-2x faster for a beam step's 320 rows of 5-20 positions, 1 thread). Elsewhere, and
-    where autograd records (out= has no autograd), the two copies."""
-    fused = past.device.type == "cpu" and not (torch.is_grad_enabled() and (past.requires_grad or new.requires_grad))
-    if rows is None or not fused:
-        return torch.cat([past if rows is None else past.index_select(0, rows), new], dim=2)
-    b, h, t, d = past.shape
-    out = past.new_empty(len(rows), h, t + new.shape[2], d)
-    torch.index_select(past, 0, rows, out=out[:, :, :t])
-    out[:, :, t:] = new
-    return out
 
 
 def sinusoidal_positions(n_positions: int, d_model: int) -> torch.Tensor:
@@ -243,8 +226,7 @@ class Attention(nn.Module):
 
     def _heads(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
         """(B, L, n*D) -> n tensors of (B, H, L, Dh)."""
-        b, length, _ = x.shape
-        return x.view(b, length, n, self.n_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        return tuple(split_heads(x, n, self.n_heads))
 
     def forward(
         self,
@@ -256,8 +238,6 @@ class Attention(nn.Module):
         layer: int = 0,
     ) -> torch.Tensor:
         length = x.shape[1]
-        if cache is not None and length == 1 and not self.training:
-            return self._step(x, memory, mask, cache, layer)
         attn_dtype = self._attention_dtype(x, cache)
         if self.cross:
             (q,) = self._heads(self.q_proj(x).to(attn_dtype), 1)
@@ -318,56 +298,9 @@ class Attention(nn.Module):
             kv = cache.cross_kv[layer] = (k, v)
         return kv
 
-    def _step(
-        self, x: torch.Tensor, memory: torch.Tensor | None, mask: torch.Tensor | None, cache: KVCache, layer: int
-    ) -> torch.Tensor:
-        """One cached decoding step, (B, 1, D) -> (B, 1, D): what `forward` computes, with the
-        products as batched products of 3-D views, the score scale inside them and the source
-        mask as a bias made once per batch. The fixed cost of a step's small operations is most
-        of its time; this path needs a fifth fewer operator calls (greedy at d_model 256:
-        841 -> 671 per decoder call, beam 5 1,566 -> 1,394; docs/speed.md, stop 32). The
-        precision rules are `forward`'s."""
-        b, _, d = x.shape
-        heads = self.n_heads
-        dh = d // heads
-        attn_dtype = self._attention_dtype(x, cache)
-        if self.cross:
-            k, v = self._cross_kv(memory, cache, layer, attn_dtype)
-            n, _, s, _ = k.shape
-            if cache.cross_bias is None:
-                bias = k.new_zeros(n, heads, 1, s)
-                cache.cross_bias = bias if mask is None else bias.masked_fill_(~mask, float("-inf"))
-            group = b // n  # beam search: the `group` beams of a sentence share its memory row
-            q = self.q_proj(x).to(attn_dtype)  # (B, 1, D)
-            if group == 1:
-                q = q.view(n * heads, 1, dh)
-            else:
-                q = q.view(n, group, heads, dh).transpose(1, 2).reshape(n * heads, group, dh)
-            kt = k.view(n * heads, s, dh).transpose(1, 2)
-            scores = torch.baddbmm(cache.cross_bias.view(n * heads, 1, s), q, kt, alpha=dh**-0.5)
-        else:
-            q, k, v = self._heads(self.qkv_proj(x).to(attn_dtype), 3)  # (B, H, 1, Dh) each
-            k, v = cache.extend(layer, k, v)  # (B, H, t, Dh)
-            n, s, group = b, k.shape[2], 1
-            kt = k.reshape(n * heads, s, dh).transpose(1, 2)
-            q = q.reshape(n * heads, 1, dh)
-            scores = torch.baddbmm(_zero(kt.dtype, kt.device), q, kt, beta=0.0, alpha=dh**-0.5)
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # (n*H, G, S)
-        y = torch.bmm(probs, v.reshape(n * heads, s, dh))  # (n*H, G, Dh)
-        if group > 1:
-            y = y.view(n, heads, group, dh).transpose(1, 2)
-        return self.out_proj(y.reshape(b, 1, d).to(x.dtype))
-
     def _merge_heads(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """(B, H, L, Dh) attention outputs -> (B, L, D) in `x`'s dtype, through the output projection."""
         return self.out_proj(y.transpose(1, 2).reshape(x.shape).to(x.dtype))
-
-
-@functools.cache
-def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 0-dim zero of that dtype and device, made once: the ignored input of a `baddbmm`
-    with beta 0."""
-    return torch.zeros((), dtype=dtype, device=device)
 
 
 def _causal_mask(length: int, total: int, device: torch.device) -> torch.Tensor:
@@ -422,8 +355,7 @@ class ScaleNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = torch.linalg.vector_norm(x.float(), dim=-1, keepdim=True).clamp(min=self.eps)
-        return (x * (self.gain / norm)).to(x.dtype)
+        return scale_norm(x, self.gain, self.eps)
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -480,6 +412,32 @@ class DecoderLayer(nn.Module):
         x = self.sub_self(x, lambda h: self.self_attn(h, is_causal=True, cache=cache, layer=layer))
         x = self.sub_cross(x, lambda h: self.cross_attn(h, mask=src_mask, memory=memory, cache=cache, layer=layer))
         return self.sub_ffn(x, self.ffn)
+
+    def linears(self) -> list[Linear]:
+        """The linear layers a cached step multiplies by, in `mtx.step.decoder_step`'s order."""
+        a, c, f = self.self_attn, self.cross_attn, self.ffn
+        return [a.qkv_proj, a.out_proj, c.q_proj, c.out_proj, f.fc1, f.fc2]
+
+    def step_weights(self) -> list[torch.Tensor]:
+        """The 18 tensors `mtx.step.decoder_step` reads per layer: each sublayer's norm, then
+        the weight and bias of its linear layers."""
+        qkv, out, q, cross_out, fc1, fc2 = ((m.weight, m.bias) for m in self.linears())
+        return [
+            *_norm_weights(self.sub_self.norm),
+            *qkv,
+            *out,
+            *_norm_weights(self.sub_cross.norm),
+            *q,
+            *cross_out,
+            *_norm_weights(self.sub_ffn.norm),
+            *fc1,
+            *fc2,
+        ]
+
+
+def _norm_weights(norm: nn.Module) -> list[torch.Tensor]:
+    """A norm's weight and bias for `mtx.step.norm` (ScaleNorm: its gain twice)."""
+    return [norm.gain, norm.gain] if isinstance(norm, ScaleNorm) else [norm.weight, norm.bias]
 
 
 class Seq2Seq(nn.Module):
@@ -554,9 +512,52 @@ class Seq2Seq(nn.Module):
         the new positions and is placed after the cached ones."""
         offset = cache.length if cache is not None else 0
         x = self.tgt_embed(tgt, offset)
+        if cache is not None and tgt.shape[1] == 1 and not self.training:
+            return self._cached_step(x, memory, src_mask, cache)
         for i, layer in enumerate(self.decoder_layers):
             x = layer(x, memory, src_mask, cache, i)
         return self.decoder_norm(x)
+
+    def _cached_step(
+        self, x: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """(B, 1, D) embedded new position -> (B, 1, D) final decoder states, through
+        `mtx.step.decoder_step` (compiled on CPU); the cross-attention keys/values and their
+        source bias are made on the first step of a batch."""
+        layers = list(self.decoder_layers)
+        cross_dtype = layers[0].cross_attn._attention_dtype(x, cache)
+        cross_kv = [layer.cross_attn._cross_kv(memory, cache, i, cross_dtype) for i, layer in enumerate(layers)]
+        if cache.cross_bias is None:
+            k = cross_kv[0][0]  # (B, H, S, Dh)
+            bias = k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[2])
+            cache.cross_bias = bias.masked_fill_(~src_mask, float("-inf"))
+        weights: list[torch.Tensor] = []
+        packed: list[torch.Tensor | None] = []
+        for layer in layers:
+            weights += layer.step_weights()
+            packed += [m.packed if not torch.is_grad_enabled() else None for m in layer.linears()]
+        if self.cfg.pre_norm:
+            weights += _norm_weights(self.decoder_norm)
+        step = compiled_step() if x.device.type == "cpu" else decoder_step
+        norm = layers[0].sub_self.norm
+        x, self_kv = step(
+            x,
+            weights,
+            packed,
+            cache.self_kv,
+            cache.pending_rows,
+            cross_kv,
+            cache.cross_bias,
+            self.cfg.n_heads,
+            self.cfg.pre_norm,
+            self.cfg.pre_norm,
+            isinstance(norm, ScaleNorm),
+            norm.eps,
+            layers[0].self_attn._attention_dtype(x, cache),
+        )
+        cache.self_kv = list(self_kv)
+        cache.pending_rows = [None] * len(layers)
+        return x
 
     @property
     def output_table(self) -> torch.Tensor:
@@ -578,7 +579,7 @@ class Seq2Seq(nn.Module):
         plus an optional (V,) logit bias."""
         packed = self._packed_output
         if _uses_packed(states, packed):  # then the restricted weight is not gathered (`output_weight`)
-            return _packed_linear(states, packed, bias)
+            return packed_linear(states, packed, bias)
         return F.linear(states, self.output_weight, bias)
 
     @contextlib.contextmanager
