@@ -92,8 +92,8 @@ def _self_attention(
         k, v = select_and_append(past[0], rows, k), select_and_append(past[1], rows, v)  # (B, H, t, Dh)
     s = k.shape[2]
     kt = k.reshape(b * heads, s, dh).transpose(1, 2)
-    zero = torch.zeros((), dtype=kt.dtype, device=kt.device)  # ignored: beta 0
-    scores = torch.baddbmm(zero, q.reshape(b * heads, 1, dh), kt, beta=0.0, alpha=dh**-0.5)
+    # beta 0: the input (a view of the right shape, no allocation) is ignored, only the scale applies
+    scores = torch.baddbmm(kt[:, :1], q.reshape(b * heads, 1, dh), kt, beta=0.0, alpha=dh**-0.5)
     probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # (B*H, 1, t)
     y = torch.bmm(probs, v.reshape(b * heads, s, dh))  # (B*H, 1, Dh)
     return linear(y.reshape(b, 1, d).to(x.dtype), w[2], w[3], packed[1]), k, v
