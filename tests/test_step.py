@@ -45,12 +45,21 @@ def _steps_with_beams(model: Seq2Seq, k: int, float32_self: bool = False) -> tor
 def test_compiled_step_equals_the_python_step(
     pre_norm: bool, scale_norm: bool, k: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Bit for bit: the compiled and the Python step run the same operators."""
+    """Bit for bit: the compiled and the Python step run the same operators; every cached
+    one-position step of a CPU model goes through the compiled one."""
     model = _model(pre_norm, scale_norm=scale_norm)
+    calls = []
+
+    def counted() -> object:
+        calls.append(1)
+        return step.compiled_step()
+
     with torch.inference_mode(), model.packed_weights():
+        monkeypatch.setattr(mtx.model, "compiled_step", counted)
         compiled = _steps_with_beams(model, k)
         monkeypatch.setattr(mtx.model, "compiled_step", lambda: step.decoder_step)
         python = _steps_with_beams(model, k)
+    assert len(calls) == 8
     assert torch.equal(compiled, python)
 
 
