@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mtx.config import ModelConfig
-from mtx.step import compiled_step, decoder_step, packed_linear, scale_norm, select_and_append, split_heads
+from mtx.step import compiled_step, decoder_step, linear, packed_linear, scale_norm, select_and_append, split_heads
 from mtx.tokenizer import EOS, PAD, UNK
 
 _CPU_LOW_PRECISION = [SDPBackend.MATH]
@@ -110,10 +110,12 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
 
+    def inference_packed(self) -> torch.Tensor | None:
+        """`packed` where autograd does not record (the packed product has no gradient), else None."""
+        return None if self.packed is None or torch.is_grad_enabled() else self.packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _uses_packed(x, self.packed):
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.inference_packed())
 
 
 def make_src_mask(src: torch.Tensor) -> torch.Tensor:
@@ -535,7 +537,7 @@ class Seq2Seq(nn.Module):
         packed: list[torch.Tensor | None] = []
         for layer in layers:
             weights += layer.step_weights()
-            packed += [m.packed if not torch.is_grad_enabled() else None for m in layer.linears()]
+            packed += [m.inference_packed() for m in layer.linears()]
         if self.cfg.pre_norm:
             weights += _norm_weights(self.decoder_norm)
         step = compiled_step() if x.device.type == "cpu" else decoder_step
@@ -549,7 +551,6 @@ class Seq2Seq(nn.Module):
             cross_kv,
             cache.cross_bias,
             self.cfg.n_heads,
-            self.cfg.pre_norm,
             self.cfg.pre_norm,
             isinstance(norm, ScaleNorm),
             norm.eps,

@@ -138,15 +138,14 @@ def decoder_step(
     cross_bias: torch.Tensor,
     heads: int,
     pre_norm: bool,
-    final_norm: bool,
     is_scale: bool,
     eps: float,
     self_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """(B, 1, D) embedded tokens -> (B, 1, D) final decoder states, and per layer the
     self-attention keys/values with this position appended (after selecting `rows` of the
-    past ones). Per layer, `weights` holds `layer_weights`' 18 tensors, `packed` 6 optional
-    packed copies; a final norm's weight and bias follow. What `DecoderLayer.forward` computes
+    past ones). Per layer, `weights` holds `DecoderLayer.step_weights`' 18 tensors, `packed` 6
+    optional packed copies; a pre-norm stack's final norm's weight and bias follow. What `DecoderLayer.forward` computes
     with a cache and one new position, its products as batched products of 3-D views, the
     score scale inside them and the source mask as an additive bias."""
     new_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -163,7 +162,7 @@ def decoder_step(
         h = norm(x, w[12], w[13], eps, is_scale) if pre_norm else x
         y = linear(F.relu(linear(h, w[14], w[15], p[4])), w[16], w[17], p[5])
         x = x + y if pre_norm else norm(x + y, w[12], w[13], eps, is_scale)
-    if final_norm:
+    if pre_norm:  # a pre-norm stack ends in a norm; post-norm outputs are already normalised
         x = norm(x, weights[-2], weights[-1], eps, is_scale)
     return x, new_kv
 
