@@ -74,8 +74,8 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precision",
         choices=("fp32", "bf16"),
-        help="decode with the weights in this type (default: decode.precision); bf16 pays on CPUs with "
-        "native bf16 (AVX-512 BF16, AMX) and on GPUs",
+        help="decode with the weights in this type (default: decode.precision); bf16 pays on GPUs and on "
+        "CPUs whose bf16 products are fast (AMX, Zen 4's AVX-512 BF16); a warning says where they are slow",
     )
 
 
@@ -214,14 +214,19 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, import
     import torch
 
     from mtx.checkpoint import load_run
-    from mtx.train import pick_device
+    from mtx.train import cpu_bf16_speedup, pick_device
 
     if args.threads < 0:
         raise MtxError(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    run = load_run(args.run, args.checkpoint, pick_device(args.device, "--device"))
+    device = pick_device(args.device, "--device")
+    run = load_run(args.run, args.checkpoint, device)
     if _precision(args, run.cfg) == "bf16":
+        speed = cpu_bf16_speedup() if device.type == "cpu" else 1.0
+        if speed < 1:
+            how = f"at {speed:.2f}x the speed of fp32" if speed else "emulated (no native bf16)"
+            log.warning("bf16 products run %s on this CPU: --precision fp32 decodes faster", how)
         run.model.to(torch.bfloat16)  # log-probabilities and scores stay float32 (search.py)
     return run
 

@@ -154,10 +154,40 @@ def amp_dtype(device: torch.device, amp: str) -> torch.dtype | None:
     if device.type == "cpu":
         if amp == "fp16":
             raise MtxError("train.amp: fp16 is for CUDA; on CPU use bf16, fp32 or auto")
-        if amp == "auto" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if amp == "auto" and cpu_bf16_speedup() < BF16_MIN_SPEEDUP:
             return None
         return torch.bfloat16
     return None if amp == "auto" else torch.bfloat16
+
+
+# bf16 autocast pays for its casts only where bf16 products are well ahead: training went 1.48-1.73x
+# faster on Zen 4 (products 2.5x) and 1.14-1.57x with AMX (5.5-9x), but 0.66x on a Xeon whose bf16
+# products ran at 0.55x float32's (docs/speed.md, stops 27, 35 and 45)
+BF16_MIN_SPEEDUP = 1.5
+
+
+@functools.cache
+def cpu_bf16_speedup() -> float:
+    """How many times faster this CPU multiplies in bf16 than in float32 on torch's threads
+    (best of 5 timings of a 512 x 256 x 1024 product, under 0.1 s once per process), or 0.0
+    where it has no native bf16 (AVX2: emulated, many times slower).
+
+    Native bf16 is not enough: a CPU with AVX-512 BF16 but no AMX tiles (or tiles that a
+    hypervisor hides) can run bf16 products slower than float32 ones."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return 0.0
+    best = {torch.float32: math.inf, torch.bfloat16: math.inf}
+    with torch.inference_mode():
+        pairs = {dtype: (torch.randn(512, 256, dtype=dtype), torch.randn(1024, 256, dtype=dtype)) for dtype in best}
+        for x, w in pairs.values():
+            torch.nn.functional.linear(x, w)  # oneDNN builds its kernel on the first call
+        for _ in range(5):  # the two types alternate, so that noise on a shared machine hits both
+            for dtype, (x, w) in pairs.items():
+                start = time.perf_counter()
+                for _ in range(3):
+                    torch.nn.functional.linear(x, w)
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.float32] / best[torch.bfloat16]
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager[Any]:
@@ -1106,10 +1136,13 @@ class Trainer:
             self.train_ids, plan_batches(self.train_ids.src_lens, self.train_ids.tgt_lens, tc.batch_tokens)
         )
         n_params = sum(p.numel() for p in self.model.parameters())
+        precision = str(self.amp).replace("torch.", "") if self.amp else "fp32"
+        if tc.amp == "auto" and self.device.type == "cpu" and cpu_bf16_speedup() > 0:
+            precision += f" (train.amp auto: bf16 products {cpu_bf16_speedup():.2f}x as fast as fp32 on this CPU)"
         log.info(
             "device %s, precision %s, %d parameters, %d training pairs, %d val sentences, padding %.1f%%",
             self.device,
-            str(self.amp).replace("torch.", "") if self.amp else "fp32",
+            precision,
             n_params,
             len(self.train_ids),
             len(self.valid_ids),

@@ -103,6 +103,28 @@ def test_user_mistakes_are_one_line_errors(tmp_path: Path, small_data: Path, mak
     assert_one_line_error(mtx(*make_args(small_data, tmp_path)), *needles)
 
 
+@pytest.mark.parametrize(("speedup", "warning"), [(0.0, "emulated"), (0.6, "at 0.60x the speed of fp32"), (2.5, None)])
+def test_bf16_decoding_warns_where_bf16_products_are_slow(
+    tiny_run: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    speedup: float,
+    warning: str | None,
+) -> None:
+    """`--precision bf16` still decodes in bf16, and says when this CPU's measured bf16 products
+    are slower than fp32's (`mtx.train.cpu_bf16_speedup`)."""
+    from mtx import train
+    from mtx.cli import main
+
+    monkeypatch.setattr(train, "cpu_bf16_speedup", lambda: speedup)
+    assert main(["translate", "--run", str(tiny_run), "--precision", "bf16", "Ein Mann."]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1
+    warned = [line for line in err.splitlines() if "--precision fp32 decodes faster" in line]
+    assert len(warned) == (warning is not None), err
+    assert warning is None or warning in warned[0]
+
+
 def test_translate_errors_on_a_finished_run(tiny_run: Path) -> None:
     assert_one_line_error(mtx("translate", "--run", str(tiny_run), stdin=b"ok\n\xff\n"), "line 2 is not valid UTF-8")
     assert_one_line_error(mtx("translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "3", "x"), "--nbest")
