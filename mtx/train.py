@@ -662,6 +662,9 @@ class Trainer:
         seed_everything(tc.seed)
         self.device = rank_device(tc.device, ranks)
         self.amp = amp_dtype(self.device, tc.amp)
+        if tc.amp == "auto" and self.device.type == "cpu" and ranks.world_size > 1:
+            # each rank timed bf16 on its own (`cpu_bf16_speedup`): rank 0's choice holds for all
+            self.amp = torch.bfloat16 if self._from_main(self.amp is not None) else None
 
         data_dir = resolve_data_dir(cfg.data)
         if corpus is None:

@@ -136,6 +136,29 @@ def test_two_ranks_take_the_single_process_step(tmp_path: Path, mini_data: Path)
     assert calls[-1] > 0 and calls[1:-1] == [calls[-1]] * (len(ACCUM) - 2), calls
 
 
+def amp_worker(rank: int, data_dir: Path, run_dir: Path, store: Path, out: Path) -> None:
+    """A rank whose own bf16 timing differs from the other's (rank 0: fast, rank 1: slow)."""
+    import mtx.train
+
+    mtx.train.cpu_bf16_speedup = lambda: 2.5 if rank == 0 else 0.6
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        cfg = load_config(TINY_CONFIG, [f"data.dir={data_dir}", "train.amp=auto", "train.eval_sentences=10"])
+        trainer = Trainer(cfg, run_dir, resume=False, ranks=Ranks(rank, rank, 2))
+        (out / f"amp{rank}.txt").write_text(str(trainer.amp))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_train_in_rank_0s_choice_of_precision(tmp_path: Path, mini_data: Path) -> None:
+    """`train.amp: auto` on CPU: each rank times bf16 itself, and rank 0's choice holds for every rank."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    mp.spawn(amp_worker, args=(mini_data, run_dir, tmp_path / "store", tmp_path), nprocs=2, join=True)
+    assert [(tmp_path / f"amp{r}.txt").read_text() for r in (0, 1)] == ["torch.bfloat16"] * 2
+
+
 def torchrun(*args: str) -> subprocess.CompletedProcess[bytes]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
