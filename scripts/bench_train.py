@@ -38,7 +38,14 @@ from mtx.config import Config, ModelConfig, load_config  # noqa: E402
 from mtx.data import Batch, ParallelIds, load_corpus, padding_fraction, plan_batches, resolve_data_dir, texts  # noqa: E402
 from mtx.model import Dropout, Seq2Seq, make_src_mask, sinusoidal_positions  # noqa: E402
 from mtx.tokenizer import PAD, train_bpe  # noqa: E402
-from mtx.train import autocast, label_smoothed_loss, make_optimizer, training_loss  # noqa: E402
+from mtx.train import (  # noqa: E402
+    amp_dtype,
+    autocast,
+    cpu_bf16_speedup,
+    label_smoothed_loss,
+    make_optimizer,
+    training_loss,
+)
 
 
 class ReferenceTransformer(nn.Module):
@@ -228,8 +235,8 @@ def main() -> None:
     compile_seconds = None
     if args.compile or cfg.train.compile:
         model = Seq2Seq(cfg.model, vocab, vocab, joint_vocab=True)
-        amp = torch.bfloat16 if native_bf16 else None
-        settings[f"mtx {'bf16' if native_bf16 else 'fp32'} + torch.compile"] = (model, amp, False)
+        amp = amp_dtype(torch.device("cpu"), "auto")  # what train.compile trains in with train.amp auto
+        settings[f"mtx {'bf16' if amp else 'fp32'} + torch.compile"] = (model, amp, False)
     # model.restrict_output shrinks the output layer: not the reference's size, so it is timed
     # beside the others but left out of speedup_vs_reference
     restricted = "mtx fp32, restricted output"
@@ -287,6 +294,9 @@ def main() -> None:
     )
     bf16_peak = f"bf16 {peaks[torch.bfloat16]:.0f} GFLOP/s" if native_bf16 else "no native bf16 on this CPU (not timed)"
     print(f"matmul peak measured here: fp32 {peaks[torch.float32]:.0f} GFLOP/s, {bf16_peak}")
+    amp_auto = "bf16" if amp_dtype(torch.device("cpu"), "auto") else "fp32"
+    timing = f"bf16 products at {cpu_bf16_speedup():.2f}x the speed of fp32"
+    print(f"train.amp auto trains in {amp_auto} here (its timing: {timing})")
     print(f"{'setting':34s} {'tgt tok/s':>10s} {'src+tgt tok/s':>14s} {'GFLOP/s':>8s} {'of peak':>8s} {'vs ref':>7s}")
     ref_name = next(iter(steps))
     rates = {name: tgt_tokens / s for name, s in seconds.items()}
@@ -328,6 +338,9 @@ def main() -> None:
             {
                 "speedup_vs_reference": round(rates[best] / rates[ref_name], 3),
                 "best_setting": best,
+                # what train.amp auto trains in on this CPU, from its timing of bf16 against fp32 products
+                "amp_auto": amp_auto,
+                "cpu_bf16_speedup": round(cpu_bf16_speedup(), 3),
                 "mtx_tgt_tok_per_s": round(rates[best], 1),
                 "reference_tgt_tok_per_s": round(rates[ref_name], 1),
                 "mtx_fp32_tgt_tok_per_s": round(rates["mtx fp32"], 1),

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from mtx.train import BF16_MIN_SPEEDUP
+
 from .conftest import TINY_CONFIG
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode.py"
@@ -84,3 +86,6 @@ def test_bench_train_bounds_the_speedup_by_the_matrix_products(small_data: Path)
     for key in ("reference_bf16_tgt_tok_per_s", "speedup_vs_reference_bf16"):
         assert (result[key] is not None) == native_bf16
         assert result[key] is None or result[key] > 0.0
+    # what train.amp auto chooses here, and the timing it chose by (0 without native bf16)
+    assert result["amp_auto"] == ("bf16" if result["cpu_bf16_speedup"] >= BF16_MIN_SPEEDUP else "fp32")
+    assert (result["cpu_bf16_speedup"] > 0.0) == native_bf16
