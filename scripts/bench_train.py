@@ -227,6 +227,7 @@ def main() -> None:
     # without native bf16 (AVX-512 bf16/AMX) autocast emulates it, many times slower than fp32:
     # train.amp auto then trains in fp32, and timing bf16 would only measure the emulation
     native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    auto_amp = amp_dtype(torch.device("cpu"), "auto")  # what train.amp auto trains in on this CPU
     ref_bf16 = "reference bf16 autocast"
     if native_bf16:
         settings["mtx bf16 autocast"] = (Seq2Seq(cfg.model, vocab, vocab, joint_vocab=True), torch.bfloat16, False)
@@ -235,8 +236,7 @@ def main() -> None:
     compile_seconds = None
     if args.compile or cfg.train.compile:
         model = Seq2Seq(cfg.model, vocab, vocab, joint_vocab=True)
-        amp = amp_dtype(torch.device("cpu"), "auto")  # what train.compile trains in with train.amp auto
-        settings[f"mtx {'bf16' if amp else 'fp32'} + torch.compile"] = (model, amp, False)
+        settings[f"mtx {'bf16' if auto_amp else 'fp32'} + torch.compile"] = (model, auto_amp, False)
     # model.restrict_output shrinks the output layer: not the reference's size, so it is timed
     # beside the others but left out of speedup_vs_reference
     restricted = "mtx fp32, restricted output"
@@ -294,7 +294,7 @@ def main() -> None:
     )
     bf16_peak = f"bf16 {peaks[torch.bfloat16]:.0f} GFLOP/s" if native_bf16 else "no native bf16 on this CPU (not timed)"
     print(f"matmul peak measured here: fp32 {peaks[torch.float32]:.0f} GFLOP/s, {bf16_peak}")
-    amp_auto = "bf16" if amp_dtype(torch.device("cpu"), "auto") else "fp32"
+    amp_auto = "bf16" if auto_amp else "fp32"
     timing = f"bf16 products at {cpu_bf16_speedup():.2f}x the speed of fp32"
     print(f"train.amp auto trains in {amp_auto} here (its timing: {timing})")
     print(f"{'setting':34s} {'tgt tok/s':>10s} {'src+tgt tok/s':>14s} {'GFLOP/s':>8s} {'of peak':>8s} {'vs ref':>7s}")
