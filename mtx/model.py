@@ -30,7 +30,11 @@ _CPU_LOW_PRECISION = [SDPBackend.MATH]
 # forward + backward, 4,096-token batches, 4 heads of 32: 2.0x / 1.25x / 1.55x faster than SDPA
 # at 12 / 22 / 40 keys, even at 80, 0.73x at 160)
 CPU_MATH_MAX_KEYS = 64
-_ANY_BACKEND = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+# cuDNN attention is left out: it builds a plan for every new (batch, length) shape, 190 ms per
+# shape against 1.2 ms for the memory-efficient kernel (H200, bf16), and length-bucketed batches
+# bring new shapes for hundreds of steps: with it GPU training took 72 s for its first 400 steps,
+# without it 15 s, the same losses (docs/speed.md, stop 46)
+_ANY_BACKEND = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:

@@ -89,3 +89,19 @@ def test_bench_train_bounds_the_speedup_by_the_matrix_products(small_data: Path)
     # what train.amp auto chooses here, and the timing it chose by (0 without native bf16)
     assert result["amp_auto"] == ("bf16" if result["cpu_bf16_speedup"] >= BF16_MIN_SPEEDUP else "fp32")
     assert (result["cpu_bf16_speedup"] > 0.0) == native_bf16
+
+
+def test_bench_gpu_decodes_the_same_outputs_in_every_fp32_row(tiny_run: Path) -> None:
+    """scripts/bench_gpu.py (run with --device cpu here): 12 rows, and in fp32 the batch size and
+    the cache change no output."""
+    script = SCRIPT.with_name("bench_gpu.py")
+    args = [sys.executable, str(script), "--run", str(tiny_run), "--device", "cpu", "--sentences", "6"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["dtype"], r["beam"], r["cache"], r["batch_tokens"]) for r in rows[:3]] == [
+        ("float32", 1, True, 4000),
+        ("float32", 1, True, 32000),
+        ("float32", 1, False, 4000),
+    ]
+    assert len(rows) == 12 and all(r["tok_per_s"] > 0 and r["mean_len"] >= 1 for r in rows)
+    assert [r["same_as_first"] for r in rows if r["dtype"] == "float32"] == [None, 6, 6] * 2

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import mtx.model
 from mtx.config import ModelConfig
@@ -246,6 +247,23 @@ def test_cpu_explicit_attention_matches_sdpa(pre_norm: bool, monkeypatch: pytest
     assert torch.allclose(explicit_loss, sdpa_loss, rtol=1e-5)
     for a, b in zip(explicit_grads, sdpa_grads, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_sdpa_never_offered_cudnn_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every SDPA call of a forward pass (the path CUDA takes) allows its kernels without cuDNN
+    attention, whose per-shape plans cost 190 ms each on a GPU (stop 46), and still allows the
+    math kernel, so that every device and dtype has one."""
+    offered = []
+
+    def recording(backends: list[SDPBackend]) -> object:
+        offered.append(list(backends))
+        return sdpa_kernel(backends)
+
+    monkeypatch.setattr(mtx.model, "sdpa_kernel", recording)
+    monkeypatch.setattr(mtx.model, "CPU_MATH_MAX_KEYS", 0)  # SDPA on CPU too
+    label_smoothed_loss(_model(True).train(), _batch(SRC_IDS, [[20, 21, 22], [23, 24, 25, 26]]), 0.1).backward()
+    assert len(offered) == 3 * 2  # the tiny model's encoder self-, decoder self- and cross-attention x 2 layers
+    assert all(SDPBackend.CUDNN_ATTENTION not in b and SDPBackend.MATH in b for b in offered), offered
 
 
 def test_attention_dropout_on_the_explicit_path() -> None:
