@@ -6,8 +6,8 @@ time at greedy's batch sizes (stop 30, 1 thread: a fixed 3.6 ms a step against 0
 and with two decoding threads each call also takes Python's interpreter lock. Compiled with
 TorchScript the step runs its calls from C++ without the lock (docs/speed.md, stop 44). The
 functions here are plain torch code that TorchScript compiles; where it cannot (a torch without
-it), and on CUDA (whose TorchScript fusers may change the arithmetic; untested here), the same
-code runs as Python.
+it), and on CUDA (whose TorchScript fusers may change the arithmetic), the same code runs as
+Python; that form passed tests/test_cuda.py on an H200 (stop 46).
 
 Weights arrive as flat lists in the order of `DecoderLayer.step_weights`, with optional prepacked
 copies of the linear layers' weights (`Seq2Seq.packed_weights`: with bf16 weights on CPU).
