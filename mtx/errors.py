@@ -1,5 +1,10 @@
 """Errors that reach the user as one line (no traceback) with a non-zero exit code."""
 
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
 
 class MtxError(Exception):
     """A problem the user can fix: bad config, bad data, bad run directory."""
@@ -28,3 +33,13 @@ class Interrupted(MtxError):
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+def run_script(prog: str, main: Callable[[], None]) -> None:
+    """Run a script's `main`; a user mistake (an `MtxError`) exits with the one line
+    `PROG: error: MESSAGE` and the error's exit code instead of a traceback."""
+    try:
+        main()
+    except MtxError as e:
+        print(f"{prog}: {e.prefix}{e}", file=sys.stderr)
+        sys.exit(e.exit_code)

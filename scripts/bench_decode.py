@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.cli import main as mtx_main  # noqa: E402
 from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
+from mtx.errors import run_script  # noqa: E402
 from mtx.model import Seq2Seq  # noqa: E402
 from mtx.search import beam_search, decode_workers, greedy_search, in_workers  # noqa: E402
 from mtx.tokenizer import EOS  # noqa: E402
@@ -305,4 +306,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script("bench_decode", main)

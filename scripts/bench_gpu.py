@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -25,9 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mtx.checkpoint import load_run
-from mtx.data import read_lines, resolve_data_dir, split_file
-from mtx.search import translate_ids
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mtx.checkpoint import load_run  # noqa: E402
+from mtx.data import read_lines, resolve_data_dir, split_file  # noqa: E402
+from mtx.errors import run_script  # noqa: E402
+from mtx.search import translate_ids  # noqa: E402
+from mtx.train import pick_device  # noqa: E402
 
 
 def decode_rows(
@@ -108,14 +113,14 @@ def main() -> None:
     parser.add_argument("--run", type=Path, required=True, help="trained run directory")
     parser.add_argument("--data-dir", type=Path, help="folder of the split's files (default: the run's data.dir)")
     parser.add_argument("--split", default="test_2016_flickr")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N, cpu (default: cuda)")
     parser.add_argument("--sentences", type=int, default=0, help="first N sentences only (0: all)")
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = pick_device(args.device, "--device")
     decode_rows(args.run, args.data_dir, args.split, args.sentences, device)
     if device.type == "cuda":
         print(json.dumps(sdpa_first_calls(device)))
 
 
 if __name__ == "__main__":
-    main()
+    run_script("bench_gpu", main)

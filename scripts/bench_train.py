@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.config import Config, ModelConfig, load_config  # noqa: E402
 from mtx.data import Batch, ParallelIds, load_corpus, padding_fraction, plan_batches, resolve_data_dir, texts  # noqa: E402
+from mtx.errors import run_script  # noqa: E402
 from mtx.model import Dropout, Seq2Seq, make_src_mask, sinusoidal_positions  # noqa: E402
 from mtx.tokenizer import PAD, train_bpe  # noqa: E402
 from mtx.train import (  # noqa: E402
@@ -364,4 +365,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script("bench_train", main)

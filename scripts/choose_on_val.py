@@ -38,7 +38,7 @@ from mtx.checkpoint import (  # noqa: E402
     step_checkpoints,
 )
 from mtx.data import read_parallel, split_file  # noqa: E402
-from mtx.errors import MtxError  # noqa: E402
+from mtx.errors import run_script  # noqa: E402
 from mtx.evaluate import corpus_scores  # noqa: E402
 from mtx.model import Ensemble, Seq2Seq  # noqa: E402
 from mtx.search import translate  # noqa: E402
@@ -100,10 +100,7 @@ def main() -> None:
     if any(n < 2 for n in args.ensemble):
         parser.error(f"argument --ensemble: an ensemble has at least 2 checkpoints, got {args.ensemble}")
     torch.set_num_threads(args.threads)
-    try:
-        choose(args)
-    except MtxError as e:
-        sys.exit(f"choose_on_val: error: {e}")
+    choose(args)
 
 
 def choose(args: argparse.Namespace) -> None:
@@ -178,4 +175,4 @@ def choose(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script("choose_on_val", main)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mtx.train import BF16_MIN_SPEEDUP
@@ -105,3 +106,23 @@ def test_bench_gpu_decodes_the_same_outputs_in_every_fp32_row(tiny_run: Path) ->
     ]
     assert len(rows) == 12 and all(r["tok_per_s"] > 0 and r["mean_len"] >= 1 for r in rows)
     assert [r["same_as_first"] for r in rows if r["dtype"] == "float32"] == [None, 6, 6] * 2
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("bench_decode.py", ["--run", "{tmp}/nowhere"], "{tmp}/nowhere: run directory not found"),
+        ("bench_gpu.py", ["--run", "{tmp}/nowhere", "--device", "cpu"], "{tmp}/nowhere: run directory not found"),
+        ("bench_gpu.py", ["--run", "{tmp}", "--device", "nosuch"], "--device: unknown device 'nosuch'"),
+        ("bench_train.py", ["--config", "{tmp}/none.yaml"], "{tmp}/none.yaml: config file not found"),
+    ],
+)
+def test_benchmarks_report_a_user_mistake_in_one_line(
+    tmp_path: Path, script: str, args: list[str], message: str
+) -> None:
+    argv = [sys.executable, str(SCRIPT.with_name(script)), *(a.format(tmp=tmp_path) for a in args)]
+    result = subprocess.run(argv, capture_output=True, text=True)
+    prog = script.removesuffix(".py")
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {message.format(tmp=tmp_path)}"), result.stderr
