@@ -44,6 +44,7 @@ from bench_decode import decode_all, outside_bias, split_batches  # noqa: E402
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.data import pad_ids  # noqa: E402
+from mtx.errors import run_script  # noqa: E402
 from mtx.search import decode_workers, max_output_lengths  # noqa: E402
 from mtx.tokenizer import BPE, EOS  # noqa: E402
 
@@ -262,4 +263,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script("bench_ctranslate2", main)
