@@ -35,16 +35,14 @@ from mtx.search import translate_ids  # noqa: E402
 from mtx.train import pick_device  # noqa: E402
 
 
-def decode_rows(
-    run_dir: Path, data_dir: Path | None, split: str, sentences: int, device: torch.device
-) -> list[dict[str, object]]:
+def decode_rows(run_dir: Path, data_dir: Path | None, split: str, sentences: int, device: torch.device) -> None:
+    """Print one JSON line per setting (the module docstring's rows)."""
     run = load_run(run_dir, device=device)
     data_dir = data_dir or resolve_data_dir(run.cfg.data)
     src = run.src_tok.encode_batch(read_lines(split_file(data_dir, split, run.cfg.data.src_lang)))
     src = src[:sentences] if sentences else src
     d = run.cfg.decode
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    rows: list[dict[str, object]] = []
     first: dict[tuple[str, int], list[list[int]]] = {}
     for dtype in (torch.float32, torch.bfloat16):
         model = run.model.to(dtype)
@@ -76,9 +74,7 @@ def decode_rows(
                     "mean_len": round(n_out / len(src), 2),
                     "same_as_first": same,
                 }
-                rows.append(row)
                 print(json.dumps(row), flush=True)
-    return rows
 
 
 def sdpa_first_calls(device: torch.device) -> dict[str, float | str]:
