@@ -17,9 +17,13 @@ from mtx.config import STOPS
 from mtx.errors import MtxError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from mtx.config import Config
 
 log = logging.getLogger("mtx")
+
+STDIN_BUFFER_LINES = 10_000  # `mtx translate` from a pipe: lines read, translated and written at a time
 
 
 class _TqdmHandler(logging.StreamHandler):
@@ -113,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decode_options(p)
     p.add_argument(
         "--nbest", type=int, default=1, help="print the K best translations per input as 'i ||| text ||| score'"
+    )
+    p.add_argument(
+        "--buffer-lines",
+        type=int,
+        default=STDIN_BUFFER_LINES,
+        help="read, translate and write standard input this many lines at a time, so that output flows and "
+        f"memory stays bounded on long inputs (default: {STDIN_BUFFER_LINES}; 1: line by line from a slow pipe); "
+        "from a terminal always line by line",
     )
     p.add_argument("text", nargs="*", help="sentences to translate ('-' or none: read standard input)")
 
@@ -233,46 +245,54 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, import
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
-    from mtx.data import text_lines
+    from mtx.data import stream_lines
     from mtx.search import translate_ids
 
     texts = args.text
+    chunks: Iterable[tuple[int, list[str]]]
     if not texts or texts == ["-"]:
-        texts = text_lines(sys.stdin.buffer.read(), "standard input", "the input")
+        if args.buffer_lines < 1:
+            raise MtxError(f"--buffer-lines must be >= 1, got {args.buffer_lines}")
+        terminal = sys.stdin.isatty()
+        chunks = stream_lines(sys.stdin.buffer, 1 if terminal else args.buffer_lines, "standard input", "the input")
     elif "-" in texts:
         raise MtxError("'-' (read standard input) cannot be mixed with TEXT arguments")
-    for i, text in enumerate(texts, 1):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # undecodable argv bytes arrive as lone surrogates
-            raise MtxError(f"TEXT argument {i} is not valid UTF-8; re-encode it as UTF-8") from None
-    texts = [t.strip() for t in texts]
+    else:
+        for i, text in enumerate(texts, 1):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # undecodable argv bytes arrive as lone surrogates
+                raise MtxError(f"TEXT argument {i} is not valid UTF-8; re-encode it as UTF-8") from None
+        terminal, chunks = False, [(0, [t.strip() for t in texts])]
     run = _load(args)
     beam, alpha, batch_tokens, workers, stop = _decode_settings(args, run.cfg.decode)
     if not 1 <= args.nbest <= beam:
         raise MtxError(f"--nbest must be between 1 and --beam ({beam}), got {args.nbest}")
     dc = run.cfg.decode
-    hyps = translate_ids(
-        run.model,
-        run.src_tok.encode_batch(texts),
-        beam,
-        alpha,
-        dc.max_len_a,
-        dc.max_len_b,
-        batch_tokens,
-        nbest=args.nbest,
-        use_cache=not args.no_cache,
-        workers=workers,
-        stop=stop,
-    )
+    if terminal:
+        log.info("type a sentence and press Enter to translate it; Ctrl-D ends")
     out = sys.stdout
-    for i, h in enumerate(hyps):
-        if args.nbest == 1:
-            out.write(run.tgt_tok.decode_batch([h[0].tokens])[0] + "\n")
-        else:
-            for text, hyp in zip(run.tgt_tok.decode_batch([x.tokens for x in h]), h, strict=True):
-                out.write(f"{i} ||| {text} ||| {hyp.score:.4f}\n")
-    out.flush()
+    for before, lines in chunks:  # from standard input: each as soon as it has been read
+        hyps = translate_ids(
+            run.model,
+            run.src_tok.encode_batch(lines),
+            beam,
+            alpha,
+            dc.max_len_a,
+            dc.max_len_b,
+            batch_tokens,
+            nbest=args.nbest,
+            use_cache=not args.no_cache,
+            workers=workers,
+            stop=stop,
+        )
+        for i, h in enumerate(hyps, before):
+            if args.nbest == 1:
+                out.write(run.tgt_tok.decode_batch([h[0].tokens])[0] + "\n")
+            else:
+                for text, hyp in zip(run.tgt_tok.decode_batch([x.tokens for x in h]), h, strict=True):
+                    out.write(f"{i} ||| {text} ||| {hyp.score:.4f}\n")
+        out.flush()
     return 0
 
 

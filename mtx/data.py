@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import torch
@@ -81,18 +81,39 @@ def read_lines(path: str | Path, allow_empty: bool = False) -> list[str]:
     return lines
 
 
+def _not_utf8(source: str, line: int, what: str) -> DataError:
+    return DataError(f"{source}: line {line} is not valid UTF-8; re-encode {what} as UTF-8")
+
+
 def text_lines(raw: bytes, source: str, what: str) -> list[str]:
     """UTF-8 bytes -> stripped lines (a last newline ends the last line, it does not start an
     empty one); bytes that are not UTF-8 are a `DataError` naming `source` and the line."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise DataError(f"{source}: line {line} is not valid UTF-8; re-encode {what} as UTF-8") from None
+        raise _not_utf8(source, raw[: e.start].count(b"\n") + 1, what) from None
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     return [line.strip() for line in lines]
+
+
+def stream_lines(stream: BinaryIO, chunk: int, source: str, what: str) -> Iterator[tuple[int, list[str]]]:
+    """Lines of a binary stream, stripped as `text_lines` strips them, in lists of `chunk` lines
+    (the last one shorter), each yielded as soon as its last line has arrived, with the number of
+    lines before it; bytes that are not UTF-8 are a `DataError` naming `source` and the line."""
+    lines: list[str] = []
+    before = 0
+    for number, raw in enumerate(stream, 1):
+        try:
+            lines.append(raw.decode("utf-8").strip())
+        except UnicodeDecodeError:
+            raise _not_utf8(source, number, what) from None
+        if len(lines) == chunk:
+            yield before, lines
+            before, lines = number, []
+    if lines:
+        yield before, lines
 
 
 def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]:

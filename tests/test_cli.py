@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
 import subprocess
 import sys
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -125,8 +128,70 @@ def test_bf16_decoding_warns_where_bf16_products_are_slow(
     assert warning is None or warning in warned[0]
 
 
+def _start_translate(run: Path, *args: str, stdin: int = subprocess.PIPE) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    command = [sys.executable, "-m", "mtx", "translate", "--run", str(run), *args]
+    return subprocess.Popen(command, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env)
+
+
+def _read_line(stream: IO[bytes], seconds: float = 120) -> str:
+    """One line of a child's output, failing if it has not come after `seconds`."""
+    ready, _, _ = select.select([stream], [], [], seconds)
+    assert ready, f"no output line after {seconds} s"
+    return stream.readline().decode()
+
+
+SENTENCES = ["Ein Mann fährt Fahrrad.", "", "Zwei Hunde spielen im Schnee.", "Eine Frau liest.", "Ein Kind lacht."]
+
+
+def test_translate_streams_standard_input(tiny_run: Path) -> None:
+    """From a pipe, each --buffer-lines lines are translated and written as soon as they have
+    arrived, the same outputs as all lines at once; from a terminal, line by line."""
+    whole = mtx("translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "2", *SENTENCES)
+    assert whole.returncode == 0, whole.stderr.decode()
+    chunked = mtx(
+        "translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "2", "--buffer-lines", "2",
+        stdin="".join(s + "\n" for s in SENTENCES).encode(),
+    )  # fmt: skip
+    assert chunked.returncode == 0, chunked.stderr.decode()
+    assert chunked.stdout == whole.stdout  # the n-best numbers count lines across chunks
+    numbers = [int(line.split(" ||| ")[0]) for line in whole.stdout.decode().splitlines()]
+    assert numbers == sorted(numbers) and set(numbers) == set(range(len(SENTENCES))), numbers
+    expected = mtx("translate", "--run", str(tiny_run), *SENTENCES[:2]).stdout.decode().splitlines(keepends=True)
+
+    child = _start_translate(tiny_run, "--buffer-lines", "1")
+    try:
+        for sentence, translation in zip(SENTENCES[:2], expected, strict=True):
+            child.stdin.write(sentence.encode() + b"\n")  # type: ignore[union-attr]
+            child.stdin.flush()  # type: ignore[union-attr]
+            assert _read_line(child.stdout) == translation  # type: ignore[arg-type]
+        child.stdin.close()  # type: ignore[union-attr]
+        assert child.wait(timeout=120) == 0, child.stderr.read().decode()  # type: ignore[union-attr]
+    finally:
+        child.kill()
+
+    controller, terminal = pty.openpty()
+    child = _start_translate(tiny_run, stdin=terminal)
+    os.close(terminal)
+    try:
+        os.write(controller, SENTENCES[0].encode() + b"\n")
+        assert _read_line(child.stdout) == expected[0]  # type: ignore[arg-type]
+        os.write(controller, b"\x04")  # Ctrl-D at the start of a line: the end of the input
+        assert child.wait(timeout=120) == 0
+        assert "Ctrl-D ends" in child.stderr.read().decode()  # type: ignore[union-attr]
+    finally:
+        child.kill()
+        os.close(controller)
+
+
 def test_translate_errors_on_a_finished_run(tiny_run: Path) -> None:
     assert_one_line_error(mtx("translate", "--run", str(tiny_run), stdin=b"ok\n\xff\n"), "line 2 is not valid UTF-8")
+    # the lines before a bad one are translated and written, then the error
+    r = mtx("translate", "--run", str(tiny_run), "--buffer-lines", "1", stdin=b"Ein Mann.\nEin Hund.\n\xff\n")
+    assert_one_line_error(r, "standard input: line 3 is not valid UTF-8")
+    assert len(r.stdout.decode().splitlines()) == 2
+    no_buffer = mtx("translate", "--run", str(tiny_run), "--buffer-lines", "0", stdin=b"x\n")
+    assert_one_line_error(no_buffer, "--buffer-lines must be >= 1, got 0")
     assert_one_line_error(mtx("translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "3", "x"), "--nbest")
     assert_one_line_error(mtx("eval", "--run", str(tiny_run), "--split", "nosuch"), "nosuch")
     bad_device = mtx("eval", "--run", str(tiny_run), "--device", "nosuch")

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from mtx.data import (
     plan_batches,
     read_lines,
     resolve_data_dir,
+    stream_lines,
     text_lines,
     texts,
 )
@@ -70,11 +72,25 @@ def test_read_lines_strips_and_keeps_count(tmp_path: Path) -> None:
 
 
 def test_text_lines_keeps_inner_empty_lines_and_names_the_source() -> None:
-    # translate's standard input: an inner empty line stays (it gets an empty translation)
+    # an inner empty line stays (read_lines then refuses it in data files)
     assert text_lines(b" a \r\n\nb", "standard input", "the input") == ["a", "", "b"]
     assert text_lines(b"", "standard input", "the input") == []
     with pytest.raises(DataError, match=r"^standard input: line 2 is not valid UTF-8; re-encode the input as UTF-8$"):
         text_lines(b"ok\n\xff\n", "standard input", "the input")
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 10])
+def test_stream_lines_chunks_what_text_lines_reads(chunk: int) -> None:
+    """`mtx translate`'s standard input: the lines of `text_lines`, in chunks, numbered across them."""
+    raw = " a \r\n\nb\nc d\n e"
+    chunks = list(stream_lines(io.BytesIO(raw.encode()), chunk, "standard input", "the input"))
+    assert [line for _, lines in chunks for line in lines] == text_lines(raw.encode(), "standard input", "the input")
+    assert [len(lines) for _, lines in chunks[:-1]] == [chunk] * (len(chunks) - 1)
+    assert [before for before, _ in chunks] == list(range(0, 5, chunk))
+    assert list(stream_lines(io.BytesIO(b""), chunk, "standard input", "the input")) == []
+    bad = stream_lines(io.BytesIO(b"ok\nok\n\xff\n"), chunk, "standard input", "the input")
+    with pytest.raises(DataError, match=r"^standard input: line 3 is not valid UTF-8; re-encode the input as UTF-8$"):
+        list(bad)
 
 
 def _lengths(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
