@@ -14,7 +14,7 @@ ARGS ?=
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev,plot]'
+	$(BIN)/pip install --quiet -e '.[dev,plot,export]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -43,7 +43,6 @@ bench-decode: $(STAMP)
 
 # mtx beside CTranslate2 on a trained run: make bench-ct2 ARGS="--run runs/multi30k_de_en"
 bench-ct2: $(STAMP)
-	$(BIN)/pip install --quiet -e '.[compare]'
 	$(BIN)/python scripts/bench_ctranslate2.py $(ARGS)
 
 clean:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtx import __version__
-from mtx.config import STOPS
+from mtx.config import QUANTIZATIONS, STOPS
 from mtx.errors import MtxError
 
 if TYPE_CHECKING:
@@ -158,6 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser(
+        "export",
+        help="write a run's model as a CTranslate2 model (needs ctranslate2)",
+        description="Write a run's model (best.pt, or --checkpoint) as a CTranslate2 model directory with the "
+        "run's tokenizers, for decoding without torch; --quantization int8 makes it smaller and faster on CPUs.",
+    )
+    p.add_argument("--run", required=True, type=Path, help="run directory written by mtx train")
+    p.add_argument("--checkpoint", type=Path, help="checkpoint file (default: the run's best.pt, else last.pt)")
+    p.add_argument("--out", type=Path, help="new directory to write (default: RUN/ctranslate2-QUANTIZATION)")
+    p.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default="float32", help="CTranslate2 weight type (default: float32)"
+    )
+
+    p = sub.add_parser(
         "plot",
         help="plot learning curves of one run or several",
         description="Write a PNG of losses, val BLEU and learning rate; several --run draw their curves together.",
@@ -296,6 +309,17 @@ def cmd_translate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from mtx.checkpoint import load_run
+    from mtx.export import export_ctranslate2
+
+    run = load_run(args.run, [args.checkpoint] if args.checkpoint else [])
+    out = args.out or args.run / f"ctranslate2-{args.quantization}"
+    export_ctranslate2(run, out, args.quantization, str(run.checkpoints[0]))
+    print(json.dumps({"ctranslate2_model": str(out), "quantization": args.quantization}))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from mtx.data import read_parallel, split_file
     from mtx.evaluate import corpus_scores
@@ -398,6 +422,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 COMMANDS = {
     "train": cmd_train,
     "translate": cmd_translate,
+    "export": cmd_export,
     "eval": cmd_eval,
     "average": cmd_average,
     "plot": cmd_plot,

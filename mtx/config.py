@@ -125,6 +125,8 @@ class TrainConfig:
 
 
 STOPS = ("exact", "finished")  # decode.stop, beam search's stopping rules (mtx.search.beam_search)
+# `mtx export`'s CTranslate2 weight types (mtx.export)
+QUANTIZATIONS = ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)

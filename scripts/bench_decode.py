@@ -43,6 +43,7 @@ from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.cli import main as mtx_main  # noqa: E402
 from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
+from mtx.export import outside_bias  # noqa: E402
 from mtx.model import Seq2Seq  # noqa: E402
 from mtx.search import beam_search, decode_workers, greedy_search, in_workers  # noqa: E402
 from mtx.tokenizer import EOS  # noqa: E402
@@ -108,15 +109,6 @@ def decode_all(
     (0: its default; `in_workers`); the output ids of every sentence, in batch order."""
     decode = functools.partial(decode_tokens, model, beam=beam, a=a, b=b, alpha=alpha, cache=cache, stop=stop)
     return [hyp for hyps in in_workers(decode, batches, workers, torch.device("cpu"), model) for hyp in hyps]
-
-
-def outside_bias(model: Seq2Seq, value: float) -> torch.Tensor:
-    """(V_tgt,) logit bias of a restricted model (`model.restrict_output`): 0 at the pieces its
-    softmax covers, `value` at the others."""
-    assert model.output_ids is not None
-    bias = torch.full((model.output_table.shape[0],), value)
-    bias[model.output_ids] = 0.0
-    return bias
 
 
 class WholeVocabulary(Seq2Seq):

@@ -108,6 +108,15 @@ def test_bench_gpu_decodes_the_same_outputs_in_every_fp32_row(tiny_run: Path) ->
     assert [r["same_as_first"] for r in rows if r["dtype"] == "float32"] == [None, 6, 6] * 2
 
 
+def test_bench_ctranslate2_converts_through_mtx_export(tiny_run: Path) -> None:
+    """scripts/bench_ctranslate2.py: its CTranslate2 model is `mtx export`'s, and greedy decodes as mtx does."""
+    script = SCRIPT.with_name("bench_ctranslate2.py")
+    args = [sys.executable, str(script), "--run", str(tiny_run), "--sentences", "16", "--rounds", "1", "--beam", "2"]
+    result = json.loads(subprocess.run(args, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    # the tiny model's outputs often run to the length cap, which CTranslate2 applies per batch
+    assert result["greedy_agreement_ended"] >= 0.9 and result["ct2_greedy_tok_per_s"] > 0, result
+
+
 @pytest.mark.parametrize(
     ("script", "args", "message"),
     [

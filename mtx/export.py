@@ -1,0 +1,164 @@
+"""A trained run as a CTranslate2 model: the same weights for a C++ engine that decodes without
+torch (`mtx export`).
+
+The directory holds CTranslate2's files (`model.bin`, `config.json`, the vocabularies), the run's
+tokenizers as `source_tokenizer.json` / `target_tokenizer.json` (HF `tokenizers` files: they turn
+text into the pieces CTranslate2 reads and its output pieces back into text), and `mtx_export.json`
+(what was exported, and mtx's decoding settings). It is written beside its final place and renamed
+into it, so a failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mtx import __version__
+from mtx.checkpoint import LoadedRun
+from mtx.config import QUANTIZATIONS
+from mtx.errors import MtxError
+from mtx.model import Ensemble, ScaleNorm, Seq2Seq
+from mtx.tokenizer import BPE
+
+OUTSIDE_BIAS = -1e9  # the logit bias of target pieces a `model.restrict_output` softmax leaves out
+INFO_FILE = "mtx_export.json"
+
+
+def _np(t: torch.Tensor) -> Any:
+    return t.detach().float().cpu().numpy()
+
+
+def _linear(spec: Any, module: torch.nn.Linear) -> None:
+    spec.weight = _np(module.weight)
+    if module.bias is not None:
+        spec.bias = _np(module.bias)
+
+
+def ctranslate2_vocabulary(tok: BPE) -> list[str]:
+    """The pieces of `tok` by id, as CTranslate2 names them."""
+    by_id = sorted(tok.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in by_id]
+    tokens[0] = "<blank>"  # CTranslate2's name for the padding token (id 0, as in mtx)
+    return tokens
+
+
+def outside_bias(model: Seq2Seq, value: float = OUTSIDE_BIAS) -> torch.Tensor:
+    """(V_tgt,) logit bias of a restricted model (`model.restrict_output`): 0 at the pieces its
+    softmax covers, `value` at the others."""
+    assert model.output_ids is not None
+    bias = torch.full((model.output_table.shape[0],), value)
+    bias[model.output_ids.cpu()] = 0.0
+    return bias
+
+
+def ctranslate2_spec(model: Seq2Seq, src_tok: BPE, tgt_tok: BPE) -> Any:
+    """`model` as a CTranslate2 TransformerSpec (float32 weights, not yet quantised)."""
+    from ctranslate2.specs import transformer_spec
+
+    cfg = model.cfg
+    scale_norm = cfg.norm == "scale"
+    spec = transformer_spec.TransformerSpec.from_config(
+        (cfg.n_encoder_layers, cfg.n_decoder_layers), cfg.n_heads, pre_norm=cfg.pre_norm, rms_norm=scale_norm
+    )
+    d = cfg.d_model
+
+    def norm(target: Any, module: torch.nn.Module) -> None:
+        if isinstance(module, ScaleNorm):  # g * x / ||x|| == RMSNorm with gain g / sqrt(D)
+            target.gamma = _np(module.gain.detach().expand(d) / math.sqrt(d))
+        else:
+            target.gamma, target.beta = _np(module.weight), _np(module.bias)
+
+    def unit_rows(weight: torch.Tensor) -> torch.Tensor:  # FixNorm: every embedding used at unit length
+        return F.normalize(weight, dim=-1) if cfg.fix_norm else weight
+
+    for side, emb in ((spec.encoder, model.src_embed), (spec.decoder, model.tgt_embed)):
+        embeddings = side.embeddings[0] if isinstance(side.embeddings, list) else side.embeddings
+        embeddings.weight = _np(unit_rows(emb.tokens.weight))
+        side.scale_embeddings = True  # by sqrt(d_model), as mtx does
+        side.position_encodings.encodings = _np(emb.positions)  # mtx interleaves sin/cos
+    if cfg.pre_norm:
+        norm(spec.encoder.layer_norm, model.encoder_norm)
+        norm(spec.decoder.layer_norm, model.decoder_norm)
+    layers = [
+        (s, layer, layer.sub_attn.norm) for s, layer in zip(spec.encoder.layer, model.encoder_layers, strict=True)
+    ]
+    layers += [
+        (s, layer, layer.sub_self.norm) for s, layer in zip(spec.decoder.layer, model.decoder_layers, strict=True)
+    ]
+    for s, layer, self_norm in layers:
+        _linear(s.self_attention.linear[0], layer.self_attn.qkv_proj)
+        _linear(s.self_attention.linear[1], layer.self_attn.out_proj)
+        norm(s.self_attention.layer_norm, self_norm)
+        _linear(s.ffn.linear_0, layer.ffn.fc1)
+        _linear(s.ffn.linear_1, layer.ffn.fc2)
+        norm(s.ffn.layer_norm, layer.sub_ffn.norm)
+    for s, layer in zip(spec.decoder.layer, model.decoder_layers, strict=True):
+        _linear(s.attention.linear[0], layer.cross_attn.q_proj)
+        _linear(s.attention.linear[1], layer.cross_attn.kv_proj)
+        _linear(s.attention.linear[2], layer.cross_attn.out_proj)
+        norm(s.attention.layer_norm, layer.sub_cross.norm)
+    spec.decoder.projection.weight = _np(unit_rows(model.output_table))
+    if model.output_ids is not None:  # model.restrict_output: the other pieces can never be produced
+        spec.decoder.projection.bias = _np(outside_bias(model))
+    spec.register_source_vocabulary(ctranslate2_vocabulary(src_tok))
+    spec.register_target_vocabulary(ctranslate2_vocabulary(tgt_tok))
+    spec.config.add_source_eos = True  # mtx's encoder input ends with EOS
+    spec.config.decoder_start_token = "<s>"
+    spec.config.layer_norm_epsilon = 1e-5  # torch.nn.LayerNorm's and ScaleNorm's
+    spec.validate()
+    return spec
+
+
+def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float32", source: str = "") -> Path:
+    """Write `run`'s model, tokenizers and an info file as a CTranslate2 model directory
+    `out_dir`, which must not exist yet (or be empty). `source` names the checkpoint in the info file."""
+    if quantization not in QUANTIZATIONS:
+        raise MtxError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if isinstance(run.model, Ensemble):
+        raise MtxError("export takes one checkpoint; average several first (mtx average) and export the average")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise MtxError(f"{out_dir} already exists and is not empty; pick a new --out (nothing is overwritten)")
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError:
+        raise MtxError("mtx export needs CTranslate2: pip install ctranslate2 (or pip install 'mtx[export]')") from None
+    spec = ctranslate2_spec(run.model, run.src_tok, run.tgt_tok)
+    spec.optimize(quantization=quantization)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"  # a killed export's leftover goes
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        spec.save(str(staging))
+        run.src_tok.tokenizer.save(str(staging / "source_tokenizer.json"))
+        run.tgt_tok.tokenizer.save(str(staging / "target_tokenizer.json"))
+        cfg = run.cfg
+        info = {
+            "mtx_version": __version__,
+            "checkpoint": source,
+            "quantization": quantization,
+            "src_lang": cfg.data.src_lang,
+            "tgt_lang": cfg.data.tgt_lang,
+            "decode": {
+                "beam": cfg.decode.beam,
+                "length_penalty": cfg.decode.length_penalty,
+                "max_len_a": cfg.decode.max_len_a,
+                "max_len_b": cfg.decode.max_len_b,
+            },
+            "restricted_output": run.model.output_ids is not None,
+        }
+        (staging / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above)
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir

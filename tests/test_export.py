@@ -1,0 +1,131 @@
+"""`mtx export`: a run as a CTranslate2 model. CTranslate2 must score mtx's own translations as
+mtx does (the conversion is right for every model variant), decode what mtx decodes, and the
+command must refuse what it cannot do in one line."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import ctranslate2
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from mtx.checkpoint import load_run
+from mtx.cli import main
+from mtx.data import read_lines
+from mtx.errors import MtxError
+from mtx.export import export_ctranslate2
+from mtx.search import max_output_lengths, translate_ids
+from mtx.tokenizer import EOS
+
+from .conftest import tiny_args
+from .test_cli import assert_one_line_error, mtx
+
+VARIANTS = {
+    "pre-norm, joint, tied": [],
+    "post-norm, separate vocabularies, untied": [
+        "model.pre_norm=false",
+        "tokenizer.joint=false",
+        "model.tie_embeddings=false",
+    ],
+    "ScaleNorm, FixNorm, restricted softmax": ["model.norm=scale", "model.fix_norm=true", "model.restrict_output=true"],
+}
+
+
+def _pieces(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+    return [tokenizer.id_to_token(i) for i in ids]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_ctranslate2_scores_mtx_translations_as_mtx_does(tmp_path: Path, small_data: Path, variant: str) -> None:
+    """The sum of CTranslate2's token log-probabilities (EOS included) of mtx's greedy output ==
+    mtx's own, sentence by sentence: every weight went where CTranslate2 reads it."""
+    run_dir = tmp_path / "run"
+    sets = [x for key in VARIANTS[variant] for x in ("--set", key)]
+    assert main(tiny_args(small_data, run_dir, "--set", "train.max_steps=30", *sets)) == 0
+    run = load_run(run_dir)
+    out = export_ctranslate2(run, tmp_path / "ct2")
+    src_tok = Tokenizer.from_file(str(out / "source_tokenizer.json"))
+    tgt_tok = Tokenizer.from_file(str(out / "target_tokenizer.json"))
+
+    src_ids = run.src_tok.encode_batch(read_lines(small_data / "val.de")[:40])
+    hyps = [h[0] for h in translate_ids(run.model, src_ids, 1, 1.0, 1.2, 10, 4000)]
+    translator = ctranslate2.Translator(str(out), device="cpu", intra_threads=2)
+    scored = translator.score_batch([_pieces(src_tok, s) for s in src_ids], [_pieces(tgt_tok, h.tokens) for h in hyps])
+    for hyp, result in zip(hyps, scored, strict=True):
+        assert result.tokens[-1] == "</s>" and len(result.tokens) == len(hyp.tokens) + 1
+        assert sum(result.log_probs) == pytest.approx(hyp.log_prob, abs=1e-3), (variant, hyp.tokens)
+
+
+def test_exported_model_decodes_what_mtx_decodes(tiny_run: Path, small_data: Path, tmp_path: Path) -> None:
+    """Greedy decoding with mtx's length cap: the same outputs, through the files a user gets
+    (the exported tokenizers turn text into pieces and pieces back into text); int8 is smaller
+    and still translates."""
+    run = load_run(tiny_run)
+    out = export_ctranslate2(run, tmp_path / "f32")
+    info = json.loads((out / "mtx_export.json").read_text())
+    assert info["quantization"] == "float32" and info["src_lang"] == "de" and info["tgt_lang"] == "en"
+    src_tok = Tokenizer.from_file(str(out / "source_tokenizer.json"))
+    tgt_tok = Tokenizer.from_file(str(out / "target_tokenizer.json"))
+    translator = ctranslate2.Translator(str(out), device="cpu", intra_threads=2)
+
+    texts = read_lines(small_data / "val.de")[:100]
+    dc = run.cfg.decode
+    expected = run.tgt_tok.decode_batch(
+        [
+            h[0].tokens
+            for h in translate_ids(run.model, run.src_tok.encode_batch(texts), 1, 1.0, dc.max_len_a, dc.max_len_b, 4000)
+        ]
+    )
+    pieces = [src_tok.encode(t, add_special_tokens=False).tokens for t in texts]
+    got: dict[int, str] = {}
+    # mtx caps each sentence at a * (pieces + EOS) + b tokens, EOS included; CTranslate2 caps a batch
+    by_length = itertools.groupby(sorted(range(len(texts)), key=lambda i: len(pieces[i])), key=lambda i: len(pieces[i]))
+    for length, group in by_length:
+        group = list(group)
+        src = torch.full((1, length + 1), EOS)
+        cap = int(max_output_lengths(src, dc.max_len_a, dc.max_len_b, run.model)[0]) - 1
+        results = translator.translate_batch([pieces[i] for i in group], beam_size=1, max_decoding_length=cap)
+        for i, r in zip(group, results, strict=True):
+            got[i] = tgt_tok.decode([tgt_tok.token_to_id(p) for p in r.hypotheses[0]]).strip()
+    same = sum(got[i] == expected[i] for i in range(len(texts)))
+    assert same >= 98, f"{same} of {len(texts)} outputs equal mtx's"
+
+    small = export_ctranslate2(run, tmp_path / "int8", "int8")
+    assert (small / "model.bin").stat().st_size < 0.6 * (out / "model.bin").stat().st_size
+    results = ctranslate2.Translator(str(small), device="cpu").translate_batch(pieces[:20], beam_size=2)
+    assert sum(bool(r.hypotheses[0]) for r in results) >= 18
+
+
+def test_export_command_and_its_refusals(tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = mtx("export", "--run", str(tiny_run), "--out", str(tmp_path / "ct2"), "--quantization", "int8")
+    assert r.returncode == 0, r.stderr.decode()
+    assert json.loads(r.stdout) == {"ctranslate2_model": str(tmp_path / "ct2"), "quantization": "int8"}
+    written = sorted(p.name for p in (tmp_path / "ct2").iterdir())
+    assert {"model.bin", "config.json", "source_tokenizer.json", "target_tokenizer.json", "mtx_export.json"} <= set(
+        written
+    )
+    again = mtx("export", "--run", str(tiny_run), "--out", str(tmp_path / "ct2"))
+    assert_one_line_error(again, "already exists and is not empty")
+    assert sorted(p.name for p in (tmp_path / "ct2").iterdir()) == written  # nothing overwritten
+    assert_one_line_error(mtx("export", "--run", str(tmp_path / "nowhere")), "run directory not found")
+    missing = mtx(
+        "export", "--run", str(tiny_run), "--checkpoint", str(tmp_path / "no.pt"), "--out", str(tmp_path / "x")
+    )
+    assert_one_line_error(missing, "no.pt")
+    assert not (tmp_path / "x").exists()
+    bad = mtx("export", "--run", str(tiny_run), "--quantization", "int4")
+    assert bad.returncode == 2 and b"invalid choice: 'int4'" in bad.stderr
+
+    checkpoints = sorted((tiny_run / "checkpoints").glob("step_*.pt"))[:2]
+    with pytest.raises(MtxError, match="one checkpoint"):
+        export_ctranslate2(load_run(tiny_run, checkpoints), tmp_path / "ensemble")
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # as if it were not installed
+    with pytest.raises(MtxError, match=r"pip install ctranslate2"):
+        export_ctranslate2(load_run(tiny_run), tmp_path / "none")
+    assert not (tmp_path / "ensemble").exists() and not (tmp_path / "none").exists()
+    assert not list(tmp_path.glob(".*partial*"))  # no staging directory left behind
