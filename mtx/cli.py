@@ -315,7 +315,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     run = load_run(args.run, [args.checkpoint] if args.checkpoint else [])
     out = args.out or args.run / f"ctranslate2-{args.quantization}"
-    export_ctranslate2(run, out, args.quantization, str(run.checkpoints[0]))
+    export_ctranslate2(run, out, args.quantization)
     print(json.dumps({"ctranslate2_model": str(out), "quantization": args.quantization}))
     return 0
 

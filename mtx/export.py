@@ -116,9 +116,9 @@ def ctranslate2_spec(model: Seq2Seq, src_tok: BPE, tgt_tok: BPE) -> Any:
     return spec
 
 
-def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float32", source: str = "") -> Path:
+def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float32") -> Path:
     """Write `run`'s model, tokenizers and an info file as a CTranslate2 model directory
-    `out_dir`, which must not exist yet (or be empty). `source` names the checkpoint in the info file."""
+    `out_dir`, which must not exist yet (or be empty)."""
     if quantization not in QUANTIZATIONS:
         raise MtxError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if isinstance(run.model, Ensemble):
@@ -132,7 +132,7 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
     spec = ctranslate2_spec(run.model, run.src_tok, run.tgt_tok)
     spec.optimize(quantization=quantization)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"  # a killed export's leftover goes
+    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"  # replaces a killed export's leftover
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
@@ -142,7 +142,7 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
         cfg = run.cfg
         info = {
             "mtx_version": __version__,
-            "checkpoint": source,
+            "checkpoint": str(run.checkpoints[0]),
             "quantization": quantization,
             "src_lang": cfg.data.src_lang,
             "tgt_lang": cfg.data.tgt_lang,

@@ -69,6 +69,7 @@ def test_exported_model_decodes_what_mtx_decodes(tiny_run: Path, small_data: Pat
     out = export_ctranslate2(run, tmp_path / "f32")
     info = json.loads((out / "mtx_export.json").read_text())
     assert info["quantization"] == "float32" and info["src_lang"] == "de" and info["tgt_lang"] == "en"
+    assert info["checkpoint"] == str(tiny_run / "checkpoints" / "best.pt")
     src_tok = Tokenizer.from_file(str(out / "source_tokenizer.json"))
     tgt_tok = Tokenizer.from_file(str(out / "target_tokenizer.json"))
     translator = ctranslate2.Translator(str(out), device="cpu", intra_threads=2)
