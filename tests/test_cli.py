@@ -85,10 +85,11 @@ def test_train_translate_eval_round_trip(tmp_path: Path, small_data: Path) -> No
 
 
 def test_help_lists_every_option() -> None:
-    for cmd in ([], ["train"], ["translate"], ["eval"]):
+    for cmd in ([], ["train"], ["translate"], ["eval"], ["export"]):
         r = mtx(*cmd, "--help")
         assert r.returncode == 0
     assert b"--set" in mtx("train", "--help").stdout and b"--nbest" in mtx("translate", "--help").stdout
+    assert b"--buffer-lines" in mtx("translate", "--help").stdout and b"int8" in mtx("export", "--help").stdout
 
 
 @pytest.mark.parametrize(
