@@ -341,6 +341,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
             split_file(data_dir, args.split, cfg.data.src_lang), split_file(data_dir, args.split, cfg.data.tgt_lang)
         )
         name = args.split
+    stop_tag = ".finished" if beam > 1 and stop == "finished" else ""  # the exact stop's file stays as it was
+    output = args.output or args.run / "eval" / f"{name}.beam{beam}{stop_tag}.{cfg.data.tgt_lang}"
+    output.parent.mkdir(parents=True, exist_ok=True)  # before decoding: a bad --output fails at once
     text = translate(
         run.model,
         run.tgt_tok,
@@ -354,9 +357,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         workers=workers,
         stop=stop,
     )
-    stop_tag = ".finished" if beam > 1 and stop == "finished" else ""  # the exact stop's file stays as it was
-    output = args.output or args.run / "eval" / f"{name}.beam{beam}{stop_tag}.{cfg.data.tgt_lang}"
-    output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text("".join(t + "\n" for t in text), encoding="utf-8")
     scores = corpus_scores(text, ref)
     result: dict[str, object] = {
@@ -444,3 +444,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 141
+    except OSError as e:  # a path that cannot be created, read or written; a full disk
+        if args.verbose:
+            log.exception("the traceback, for -v")
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"mtx: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1

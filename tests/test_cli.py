@@ -185,6 +185,19 @@ def test_translate_streams_standard_input(tiny_run: Path) -> None:
         os.close(controller)
 
 
+def test_paths_that_cannot_be_written_are_one_line_errors(tmp_path: Path, small_data: Path, tiny_run: Path) -> None:
+    """A run directory, export directory or hypothesis file under a regular file: the path and
+    the system's reason in one line, exit 1, before any work is spent."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    assert_one_line_error(mtx(*tiny_args(small_data, blocker / "run")), f"{blocker / 'run'}: Not a directory")
+    exported = mtx("export", "--run", str(tiny_run), "--out", str(blocker / "ct2"))
+    assert_one_line_error(exported, str(blocker))
+    hypotheses = mtx("eval", "--run", str(tiny_run), "--split", "val", "--output", str(blocker / "h.en"))
+    assert_one_line_error(hypotheses, f"{blocker}: File exists")
+    assert blocker.read_text() == "x"
+
+
 def test_translate_errors_on_a_finished_run(tiny_run: Path) -> None:
     assert_one_line_error(mtx("translate", "--run", str(tiny_run), stdin=b"ok\n\xff\n"), "line 2 is not valid UTF-8")
     # the lines before a bad one are translated and written, then the error
