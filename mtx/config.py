@@ -122,6 +122,10 @@ class TrainConfig:
     keep_last: int = 10  # step checkpoints kept in checkpoints/ (for averaging)
     ema: float = 0.0  # decay of a moving average of the weights, saved as checkpoints/ema.pt; 0: none
     max_bad_steps: int = 10  # consecutive non-finite steps before training stops
+    # fine-tuning: start from another run's weights and tokenizer instead of a random init and a new
+    # BPE; a run directory (its best.pt, else last.pt) or a checkpoint file; the optimizer, the
+    # schedule (warmup included) and the step count start afresh; "": off
+    init_from: str = ""
 
 
 STOPS = ("exact", "finished")  # decode.stop, beam search's stopping rules (mtx.search.beam_search)

@@ -707,6 +707,8 @@ class Trainer:
                 len(val_pieces),
             )
         self.vocab = ckpt_io.vocab_fingerprint(self.src_tok, self.tgt_tok)
+        if tc.init_from and not resume:  # before the optimizer and the moving average see the weights
+            self._init_weights(init_source(cfg)[1])
         self.optimizer = make_optimizer(self.model, tc, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == torch.float16)
         loss_fn = training_loss(tc.compile, tc.rdrop)
@@ -804,6 +806,21 @@ class Trainer:
             ckpt_io.atomic_save(payload, ckpt_io.checkpoint_dir(self.run_dir) / "last.pt")
         self._barrier()
         self.saved_step = self.state.step
+
+    def _init_weights(self, path: Path) -> None:
+        """`train.init_from`: the weights of another run's checkpoint (its tokenizer is this run's
+        copy); the softmax restriction (`model.restrict_output`) stays this run's own."""
+        ckpt = ckpt_io.load_checkpoint(path)
+        weights = dict(ckpt["model"])
+        if self.model.output_ids is not None:
+            weights["output_ids"] = self.model.output_ids
+        ckpt_io.check_compatible({**ckpt, "model": weights}, path, self.vocab, self.model)
+        self.model.load_state_dict(weights)
+        log.info(
+            "initialised from %s (its step %s): weights and tokenizer; optimizer, schedule and steps start afresh",
+            path,
+            ckpt.get("state", {}).get("step", "?"),
+        )
 
     def _restore(self) -> None:
         """Continue from last.pt: weights, optimizer, scaler, RNG states and data position."""
@@ -1308,16 +1325,62 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
 
 
 def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
-    """Check the run directory; for a new run, create it and write the resolved config.
+    """Check the run directory; for a new run, create it and write the resolved config (and, with
+    `train.init_from`, copy the other run's tokenizer into it).
 
     On resume nothing is written here: `fit` records the config only once the checkpoint has
     been restored, so a failed resume changes nothing."""
     check_run_dir(run_dir, cfg, resume)
     if not resume:
+        source = init_source(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
-        for path in set(tokenizer_paths(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)):
+        paths = tokenizer_paths(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
+        for path in set(paths):
             path.unlink(missing_ok=True)  # a failed start's tokenizer may be torn: train it again
+        if source is not None:  # the weights belong to the other run's pieces: its tokenizer, not a new one
+            originals = tokenizer_paths(source[0], cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
+            for original, path in set(zip(originals, paths, strict=True)):
+                ckpt_io.atomic_write_text(path, original.read_text(encoding="utf-8"))
         ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
+
+
+# keys the copied tokenizer and the loaded weights depend on: a run started from another must share them
+_SAME_AS_INIT = {
+    "tokenizer": tuple(k for k in to_dict(Config())["tokenizer"] if k != "bpe_dropout"),
+    "model": tuple(k for k in to_dict(Config())["model"] if "dropout" not in k),
+    "data": ("src_lang", "tgt_lang"),
+}
+
+
+def init_source(cfg: Config) -> tuple[Path, Path] | None:
+    """`train.init_from` as (the other run's directory, the checkpoint to start from), checked
+    against `cfg` without writing anything; None when it is not set."""
+    if not cfg.train.init_from:
+        return None
+    path = Path(cfg.train.init_from)
+    if path.is_dir():
+        run_dir = path
+        candidates = [ckpt_io.checkpoint_dir(path) / name for name in ("best.pt", "last.pt")]
+        checkpoint = next((c for c in candidates if c.is_file()), None)
+        if checkpoint is None:
+            raise MtxError(f"train.init_from: {path} holds no checkpoints/best.pt or last.pt; train it first")
+    elif path.is_file():
+        checkpoint, run_dir = path, path.parent.parent  # RUN/checkpoints/NAME.pt
+    else:
+        raise MtxError(f"train.init_from: {path} not found; give a run directory or a checkpoint file of one")
+    saved = to_dict(ckpt_io.load_run_config(run_dir))
+    now = to_dict(cfg)
+    for section, keys in _SAME_AS_INIT.items():
+        for key in keys:
+            if saved[section][key] != now[section][key]:
+                raise MtxError(
+                    f"train.init_from: {run_dir} was trained with {section}.{key}={saved[section][key]!r}, this "
+                    f"config has {now[section][key]!r}; set it alike (its weights and tokenizer depend on it)"
+                )
+    for original in tokenizer_paths(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang):
+        if not original.is_file():
+            raise MtxError(f"train.init_from: {run_dir} has no {original.name}; is it an mtx run directory?")
+    return run_dir, checkpoint
 
 
 def config_text(cfg: Config) -> str:
@@ -1361,6 +1424,8 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     if not resume:
         cfg = resolve_config(cfg)
     check_run_dir(run_dir, cfg, resume)
+    if not resume:
+        init_source(cfg)  # a bad train.init_from is an error before anything is written
     device = rank_device(cfg.train.device, ranks)
     amp_dtype(device, cfg.train.amp)
     data_dir = resolve_data_dir(cfg.data)

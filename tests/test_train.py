@@ -363,3 +363,53 @@ def test_patience_stops_when_val_bleu_stops_improving(tmp_path: Path, small_data
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "valid"] == [2, 4]
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=False)["step"] == 4
+
+
+def test_init_from_starts_a_new_run_from_another_runs_weights_and_tokenizer(
+    tmp_path: Path, small_data: Path, tiny_run: Path
+) -> None:
+    """train.init_from: the other run's best.pt weights and a copy of its tokenizer, step 0, a fresh
+    optimizer; through `mtx train` it trains on from the other run's loss, not from scratch."""
+    from mtx.config import load_config
+    from mtx.plot import read_metrics
+    from mtx.train import Trainer, prepare_run_dir
+
+    from .conftest import TINY_CONFIG
+
+    run_dir = tmp_path / "ft"
+    cfg = load_config(TINY_CONFIG, [f"data.dir={small_data}", f"train.init_from={tiny_run}"])
+    prepare_run_dir(run_dir, cfg, resume=False)
+    assert (run_dir / "tokenizer.json").read_bytes() == (tiny_run / "tokenizer.json").read_bytes()
+    trainer = Trainer(cfg, run_dir, resume=False)
+    best = torch.load(tiny_run / "checkpoints" / "best.pt", weights_only=True)["model"]
+    assert trainer.model.state_dict().keys() == best.keys()
+    assert all(torch.equal(v, best[k]) for k, v in trainer.model.state_dict().items())
+    assert trainer.state.step == 0 and not trainer.optimizer.state  # the optimizer starts afresh
+
+    ft = tmp_path / "ft_cli"
+    args = tiny_args(small_data, ft, "--set", f"train.init_from={tiny_run}", "--set", "train.max_steps=20")
+    assert main([*args, "--set", "train.eval_every=20"]) == 0
+    assert "initialised from" in (ft / "train.log").read_text()
+    first = [e["loss"] for e in read_metrics(ft) if e["event"] == "train"][0]
+    scratch = [e["loss"] for e in read_metrics(tiny_run) if e["event"] == "train"]
+    assert first < scratch[0] - 1.5 and first < scratch[-1] + 0.5, (first, scratch)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["train.init_from={tmp}/nowhere"], "{tmp}/nowhere not found"),
+        (["train.init_from={run}", "model.d_model=32"], "was trained with model.d_model=64, this config has 32"),
+        (["train.init_from={run}", "data.src_lang=en", "data.tgt_lang=de"], "was trained with data.src_lang='de'"),
+        (["train.init_from={run}", "tokenizer.vocab_size=900"], "tokenizer.vocab_size=1000"),
+    ],
+)
+def test_init_from_mistakes_are_one_line_and_write_nothing(
+    tmp_path: Path, small_data: Path, tiny_run: Path, sets: list[str], message: str
+) -> None:
+    from .test_cli import assert_one_line_error, mtx
+
+    extra = [x for s in sets for x in ("--set", s.format(tmp=tmp_path, run=tiny_run))]
+    result = mtx(*tiny_args(small_data, tmp_path / "ft", *extra))
+    assert_one_line_error(result, "train.init_from: ", message.format(tmp=tmp_path))
+    assert not (tmp_path / "ft").exists()
