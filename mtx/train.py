@@ -1344,12 +1344,40 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
         ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
 
 
-# keys the copied tokenizer and the loaded weights depend on: a run started from another must share them
-_SAME_AS_INIT = {
-    "tokenizer": tuple(k for k in to_dict(Config())["tokenizer"] if k != "bpe_dropout"),
+def config_text(cfg: Config) -> str:
+    """The YAML a run records as its config.yaml (as `save_config` writes it)."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def resolve_config(cfg: Config) -> Config:
+    """The config as the run will record it: `data.dir` replaced by the directory actually used."""
+    return replace(cfg, data=replace(cfg.data, dir=str(resolve_data_dir(cfg.data))))
+
+
+_FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer state depend on
+    "tokenizer": tuple(to_dict(Config())["tokenizer"]),
     "model": tuple(k for k in to_dict(Config())["model"] if "dropout" not in k),
     "data": ("src_lang", "tgt_lang"),
+    "train": ("optimizer",),  # the optimizer state holds its parameter groups
 }
+
+
+def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path) -> None:
+    """On resume, refuse --set changes to keys the weights or tokenizer depend on."""
+    now = to_dict(cfg)
+    for section, keys in _FIXED_ON_RESUME.items():
+        for key in keys:
+            old, new = saved.get(section, {}).get(key), now[section][key]
+            if old is not None and old != new:
+                raise CheckpointError(
+                    f"{path}: --resume cannot change {section}.{key} (the run was trained with {old!r}, "
+                    f"now {new!r}); start a new run for that"
+                )
+
+
+# keys the copied tokenizer and the loaded weights depend on: a run started from another must share them
+_SAME_AS_INIT = {section: keys for section, keys in _FIXED_ON_RESUME.items() if section != "train"}
+_SAME_AS_INIT["tokenizer"] = tuple(k for k in _SAME_AS_INIT["tokenizer"] if k != "bpe_dropout")
 
 
 def init_source(cfg: Config) -> tuple[Path, Path] | None:
@@ -1381,37 +1409,6 @@ def init_source(cfg: Config) -> tuple[Path, Path] | None:
         if not original.is_file():
             raise MtxError(f"train.init_from: {run_dir} has no {original.name}; is it an mtx run directory?")
     return run_dir, checkpoint
-
-
-def config_text(cfg: Config) -> str:
-    """The YAML a run records as its config.yaml (as `save_config` writes it)."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def resolve_config(cfg: Config) -> Config:
-    """The config as the run will record it: `data.dir` replaced by the directory actually used."""
-    return replace(cfg, data=replace(cfg.data, dir=str(resolve_data_dir(cfg.data))))
-
-
-_FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer state depend on
-    "tokenizer": tuple(to_dict(Config())["tokenizer"]),
-    "model": tuple(k for k in to_dict(Config())["model"] if "dropout" not in k),
-    "data": ("src_lang", "tgt_lang"),
-    "train": ("optimizer",),  # the optimizer state holds its parameter groups
-}
-
-
-def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path) -> None:
-    """On resume, refuse --set changes to keys the weights or tokenizer depend on."""
-    now = to_dict(cfg)
-    for section, keys in _FIXED_ON_RESUME.items():
-        for key in keys:
-            old, new = saved.get(section, {}).get(key), now[section][key]
-            if old is not None and old != new:
-                raise CheckpointError(
-                    f"{path}: --resume cannot change {section}.{key} (the run was trained with {old!r}, "
-                    f"now {new!r}); start a new run for that"
-                )
 
 
 def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
