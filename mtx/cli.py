@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("mtx")
 
-STDIN_BUFFER_LINES = 10_000  # `mtx translate` from a pipe: lines read, translated and written at a time
+STDIN_BUFFER_LINES = 10_000  # `mtx translate`: most lines of standard input translated and written at a time
 
 
 class _TqdmHandler(logging.StreamHandler):
@@ -122,9 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--buffer-lines",
         type=int,
         default=STDIN_BUFFER_LINES,
-        help="read, translate and write standard input this many lines at a time, so that output flows and "
-        f"memory stays bounded on long inputs (default: {STDIN_BUFFER_LINES}; 1: line by line from a slow pipe); "
-        "from a terminal always line by line",
+        help="translate standard input in batches of at most this many lines (default: "
+        f"{STDIN_BUFFER_LINES}), each written before the next is read; fewer whenever the input pauses, so "
+        "that a terminal or a slow pipe gets each line's translation at once",
     )
     p.add_argument("text", nargs="*", help="sentences to translate ('-' or none: read standard input)")
 
@@ -267,7 +267,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
         if args.buffer_lines < 1:
             raise MtxError(f"--buffer-lines must be >= 1, got {args.buffer_lines}")
         terminal = sys.stdin.isatty()
-        chunks = stream_lines(sys.stdin.buffer, 1 if terminal else args.buffer_lines, "standard input", "the input")
+        chunks = stream_lines(sys.stdin.buffer, args.buffer_lines, "standard input", "the input")
     elif "-" in texts:
         raise MtxError("'-' (read standard input) cannot be mixed with TEXT arguments")
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+import select
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,18 +99,40 @@ def text_lines(raw: bytes, source: str, what: str) -> list[str]:
     return [line.strip() for line in lines]
 
 
+def _raw_lines(stream: BinaryIO) -> Iterator[tuple[bytes, bool]]:
+    """The lines of `stream` (bytes, without the newline), each with whether more input could be
+    read at once: for a pipe or terminal, whether its file descriptor has data waiting; for
+    anything that cannot be polled (a file object without one, Windows pipes), always True."""
+    try:
+        fd = stream.fileno()
+        select.select([fd], [], [], 0)
+    except (OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        for line in stream:
+            yield line.removesuffix(b"\n"), True
+        return
+    pending = b""
+    while data := os.read(fd, 1 << 16):
+        *complete, pending = (pending + data).split(b"\n")
+        for i, line in enumerate(complete, 1):
+            yield line, i < len(complete) or bool(select.select([fd], [], [], 0)[0])
+    if pending:
+        yield pending, False
+
+
 def stream_lines(stream: BinaryIO, chunk: int, source: str, what: str) -> Iterator[tuple[int, list[str]]]:
-    """Lines of a binary stream, stripped as `text_lines` strips them, in lists of `chunk` lines
-    (the last one shorter), each yielded as soon as its last line has arrived, with the number of
-    lines before it; bytes that are not UTF-8 are a `DataError` naming `source` and the line."""
+    """Lines of a binary stream, stripped as `text_lines` strips them, with the number of lines
+    before them, in lists of at most `chunk` lines: a list is yielded once it is full or the
+    stream has nothing more to read at that moment, so that a writer who waits for each answer
+    (a terminal, a slow pipe) gets it, while a file or a fast pipe comes in full lists. Bytes
+    that are not UTF-8 are a `DataError` naming `source` and the line."""
     lines: list[str] = []
     before = 0
-    for number, raw in enumerate(stream, 1):
+    for number, (raw, more) in enumerate(_raw_lines(stream), 1):
         try:
             lines.append(raw.decode("utf-8").strip())
         except UnicodeDecodeError:
             raise _not_utf8(source, number, what) from None
-        if len(lines) == chunk:
+        if len(lines) == chunk or not more:
             yield before, lines
             before, lines = number, []
     if lines:

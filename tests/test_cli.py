@@ -146,8 +146,9 @@ SENTENCES = ["Ein Mann fährt Fahrrad.", "", "Zwei Hunde spielen im Schnee.", "E
 
 
 def test_translate_streams_standard_input(tiny_run: Path) -> None:
-    """From a pipe, each --buffer-lines lines are translated and written as soon as they have
-    arrived, the same outputs as all lines at once; from a terminal, line by line."""
+    """Standard input in batches of --buffer-lines, the same outputs as all lines at once; a batch
+    also ends where the input pauses, so a writer who waits for each line's translation gets it,
+    through a pipe and at a terminal."""
     whole = mtx("translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "2", *SENTENCES)
     assert whole.returncode == 0, whole.stderr.decode()
     chunked = mtx(
@@ -160,7 +161,7 @@ def test_translate_streams_standard_input(tiny_run: Path) -> None:
     assert numbers == sorted(numbers) and set(numbers) == set(range(len(SENTENCES))), numbers
     expected = mtx("translate", "--run", str(tiny_run), *SENTENCES[:2]).stdout.decode().splitlines(keepends=True)
 
-    child = _start_translate(tiny_run, "--buffer-lines", "1")
+    child = _start_translate(tiny_run)  # the default 10,000 lines: the pause ends each batch
     try:
         for sentence, translation in zip(SENTENCES[:2], expected, strict=True):
             child.stdin.write(sentence.encode() + b"\n")  # type: ignore[union-attr]

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +93,25 @@ def test_stream_lines_chunks_what_text_lines_reads(chunk: int) -> None:
     bad = stream_lines(io.BytesIO(b"ok\nok\n\xff\n"), chunk, "standard input", "the input")
     with pytest.raises(DataError, match=r"^standard input: line 3 is not valid UTF-8; re-encode the input as UTF-8$"):
         list(bad)
+
+
+def test_stream_lines_from_a_pipe_fills_batches_and_ends_one_where_the_input_pauses() -> None:
+    """Through a real pipe: what is written at once comes in full lists; a line followed by a
+    pause comes alone, without waiting for more (the reader would otherwise block for ever)."""
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "rb") as reader, os.fdopen(write_end, "wb") as writer:
+        writer.write(b"a\nb\nc\nd\ne\n")
+        writer.flush()
+        lines = stream_lines(reader, 2, "standard input", "the input")
+        assert [next(lines), next(lines)] == [(0, ["a", "b"]), (2, ["c", "d"])]
+        got: list[tuple[int, list[str]]] = []
+        thread = threading.Thread(target=lambda: got.append(next(lines)))
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive() and got == [(4, ["e"])]  # the pause ends its list
+        writer.write(b"f\r\n g")  # the last line needs no newline
+        writer.close()
+        assert list(lines) == [(5, ["f", "g"])]
 
 
 def _lengths(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
