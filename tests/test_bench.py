@@ -110,6 +110,7 @@ def test_bench_gpu_decodes_the_same_outputs_in_every_fp32_row(tiny_run: Path) ->
 
 def test_bench_ctranslate2_converts_through_mtx_export(tiny_run: Path) -> None:
     """scripts/bench_ctranslate2.py: its CTranslate2 model is `mtx export`'s, and greedy decodes as mtx does."""
+    pytest.importorskip("ctranslate2", reason="no CTranslate2 on this platform (the optional extra mtx[export])")
     script = SCRIPT.with_name("bench_ctranslate2.py")
     args = [sys.executable, str(script), "--run", str(tiny_run), "--sentences", "16", "--rounds", "1", "--beam", "2"]
     result = json.loads(subprocess.run(args, capture_output=True, text=True, check=True).stdout.splitlines()[-1])

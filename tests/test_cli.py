@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pty
@@ -193,7 +194,7 @@ def test_paths_that_cannot_be_written_are_one_line_errors(tmp_path: Path, small_
     blocker.write_text("x")
     assert_one_line_error(mtx(*tiny_args(small_data, blocker / "run")), f"{blocker / 'run'}: Not a directory")
     exported = mtx("export", "--run", str(tiny_run), "--out", str(blocker / "ct2"))
-    assert_one_line_error(exported, str(blocker))
+    assert_one_line_error(exported, str(blocker) if importlib.util.find_spec("ctranslate2") else "needs CTranslate2")
     hypotheses = mtx("eval", "--run", str(tiny_run), "--split", "val", "--output", str(blocker / "h.en"))
     assert_one_line_error(hypotheses, f"{blocker}: File exists")
     assert blocker.read_text() == "x"

@@ -9,7 +9,6 @@ import json
 import sys
 from pathlib import Path
 
-import ctranslate2
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -24,6 +23,10 @@ from mtx.tokenizer import EOS
 
 from .conftest import tiny_args
 from .test_cli import assert_one_line_error, mtx
+
+ctranslate2 = pytest.importorskip(
+    "ctranslate2", reason="no CTranslate2 on this platform (the optional extra mtx[export])"
+)
 
 VARIANTS = {
     "pre-norm, joint, tied": [],
