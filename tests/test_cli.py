@@ -18,10 +18,13 @@ import torch
 from .conftest import REPO, tiny_args
 
 
+def _child_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "2"}
+
+
 def mtx(*args: str, stdin: bytes | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[bytes]:
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
     return subprocess.run(
-        [sys.executable, "-m", "mtx", *args], input=stdin, capture_output=True, cwd=cwd, env=env, timeout=600
+        [sys.executable, "-m", "mtx", *args], input=stdin, capture_output=True, cwd=cwd, env=_child_env(), timeout=600
     )
 
 
@@ -131,9 +134,9 @@ def test_bf16_decoding_warns_where_bf16_products_are_slow(
 
 
 def _start_translate(run: Path, *args: str, stdin: int = subprocess.PIPE) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
     command = [sys.executable, "-m", "mtx", "translate", "--run", str(run), *args]
-    return subprocess.Popen(command, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env)
+    pipe = subprocess.PIPE
+    return subprocess.Popen(command, stdin=stdin, stdout=pipe, stderr=pipe, cwd=REPO, env=_child_env())
 
 
 def _read_line(stream: IO[bytes], seconds: float = 120) -> str:
