@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from mtx import __version__
 from mtx.config import QUANTIZATIONS, STOPS
-from mtx.errors import MtxError
+from mtx.errors import MtxError, os_error_line
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -447,6 +447,5 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a path that cannot be created, read or written; a full disk
         if args.verbose:
             log.exception("the traceback, for -v")
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"mtx: error: {where}{e.strerror or e}", file=sys.stderr)
+        print(os_error_line("mtx", e), file=sys.stderr)
         return 1

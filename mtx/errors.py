@@ -35,11 +35,28 @@ class Interrupted(MtxError):
         self.exit_code = 128 + signum
 
 
+def os_error_line(prog: str, e: OSError) -> str:
+    """The one line for a path that cannot be created, read or written, or a full disk:
+    `PROG: error: PATH: REASON`."""
+    where = f"{e.filename}: " if e.filename else ""
+    return f"{prog}: error: {where}{e.strerror or e}"
+
+
 def run_script(prog: str, main: Callable[[], None]) -> None:
-    """Run a script's `main`; a user mistake (an `MtxError`) exits with the one line
-    `PROG: error: MESSAGE` and the error's exit code instead of a traceback."""
+    """Run a script's `main` as `mtx` runs a command: a user mistake (an `MtxError`) exits with
+    the one line `PROG: error: MESSAGE` and the error's exit code instead of a traceback, an
+    `OSError` (a path that cannot be written, a full disk) with the path and reason and exit code
+    1, Ctrl-C with 130 and a closed output pipe with 141."""
     try:
         main()
     except MtxError as e:
         print(f"{prog}: {e.prefix}{e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(141)
+    except OSError as e:
+        print(os_error_line(prog, e), file=sys.stderr)
+        sys.exit(1)

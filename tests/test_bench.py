@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from mtx.errors import ConfigError, run_script
 from mtx.train import BF16_MIN_SPEEDUP
 
 from .conftest import TINY_CONFIG
@@ -136,3 +138,36 @@ def test_benchmarks_report_a_user_mistake_in_one_line(
     assert result.returncode == 1, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {message.format(tmp=tmp_path)}"), result.stderr
+
+
+def _raise(error: BaseException) -> Callable[[], None]:
+    def main() -> None:
+        raise error
+
+    return main
+
+
+@pytest.mark.parametrize(
+    ("error", "code", "stderr"),
+    [
+        (ConfigError("c.yaml: train.max_step: unknown key"), 1, "bench: error: c.yaml: train.max_step: unknown key\n"),
+        (IsADirectoryError(21, "Is a directory", "out/best.pt"), 1, "bench: error: out/best.pt: Is a directory\n"),
+        (OSError(28, "No space left on device"), 1, "bench: error: No space left on device\n"),
+        (KeyboardInterrupt(), 130, "bench: interrupted\n"),
+        (BrokenPipeError(32, "Broken pipe"), 141, ""),
+    ],
+)
+def test_scripts_end_as_mtx_does(
+    error: BaseException, code: int, stderr: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The scripts' `run_script` turns what `mtx` turns into one line (or a quiet exit) the same way."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_script("bench", _raise(error))
+    assert exit_info.value.code == code
+    assert capsys.readouterr().err == stderr
+
+
+def test_scripts_let_bugs_raise() -> None:
+    """Anything else is a bug in mtx, whose traceback must reach the user."""
+    with pytest.raises(ZeroDivisionError):
+        run_script("bench", _raise(ZeroDivisionError("division by zero")))
