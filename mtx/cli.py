@@ -136,7 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_decode_options(p)
     p.add_argument(
-        "--split", default="test_2016_flickr", help="split name in the data directory (default: test_2016_flickr)"
+        "--split",
+        default="test_2016_flickr",
+        help="split name in the data directory (default: test_2016_flickr); the official Multi30k test sets "
+        "test_2017_flickr, test_2017_mscoco and test_2018_flickr are downloaded into ~/.cache/mtx/multi30k "
+        "if the directory lacks them",
     )
     p.add_argument("--data-dir", type=Path, help="data directory (default: the one the run was trained on)")
     p.add_argument("--src", type=Path, help="source file (plain or .gz), instead of --split")
@@ -321,7 +325,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from mtx.data import read_parallel, split_file
+    from mtx.data import eval_split_files, read_parallel
     from mtx.evaluate import corpus_scores
     from mtx.search import translate
 
@@ -337,9 +341,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         data_dir = args.data_dir or Path(cfg.data.dir)
         if not data_dir.is_dir():
             raise MtxError(f"data directory {data_dir} not found; pass --data-dir DIR or --src/--ref files")
-        src, ref = read_parallel(
-            split_file(data_dir, args.split, cfg.data.src_lang), split_file(data_dir, args.split, cfg.data.tgt_lang)
-        )
+        src, ref = read_parallel(*eval_split_files(data_dir, args.split, cfg.data.src_lang, cfg.data.tgt_lang))
         name = args.split
     stop_tag = ".finished" if beam > 1 and stop == "finished" else ""  # the exact stop's file stays as it was
     output = args.output or args.run / "eval" / f"{name}.beam{beam}{stop_tag}.{cfg.data.tgt_lang}"

@@ -27,9 +27,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MULTI30K_URL = "https://github.com/multi30k/dataset/raw/master/data/task1/raw/{split}.{lang}.gz"
+MULTI30K_SOURCE = "https://github.com/multi30k/dataset/raw/master/data/task1/raw"
+MULTI30K_URL = MULTI30K_SOURCE + "/{split}.{lang}.gz"
 MULTI30K_SPLITS = ("train", "val", "test_2016_flickr")
 MULTI30K_LANGS = ("en", "de", "fr", "cs")
+# the official test splits and their languages; all but test_2016_flickr are fetched when `mtx eval` asks
+MULTI30K_TESTS = {
+    "test_2016_flickr": ("en", "de", "fr", "cs"),
+    "test_2017_flickr": ("en", "de", "fr"),
+    "test_2017_mscoco": ("en", "de", "fr"),
+    "test_2018_flickr": ("en", "de", "fr", "cs"),
+}
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _SHARED_COPIES = (Path("../shared/data/multi30k"), _REPO_ROOT.parent / "shared/data/multi30k")
 
@@ -152,20 +160,26 @@ def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]
     return src, tgt
 
 
-def download_multi30k(dest: Path) -> Path:
-    """Fetch the public Multi30k task-1 raw files into `dest` (needs a network)."""
+def multi30k_cache() -> Path:
+    """Where mtx downloads Multi30k: `$XDG_CACHE_HOME/mtx/multi30k` (default `~/.cache/mtx/multi30k`)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtx" / "multi30k"
+
+
+def download_multi30k(
+    dest: Path, files: Sequence[tuple[str, str]] = (), fix: str = "set data.dir to a local copy"
+) -> Path:
+    """Fetch public Multi30k task-1 raw files into `dest` (needs a network): the (split, lang)
+    `files`, by default every language of train, val and test_2016_flickr. Each file appears
+    whole or not at all; a failure is a `DataError` that ends with `fix`."""
     import datasets
 
-    urls = {
-        f"{split}.{lang}.gz": MULTI30K_URL.format(split=split, lang=lang)
-        for split in MULTI30K_SPLITS
-        for lang in MULTI30K_LANGS
-    }
-    log.info("downloading Multi30k task-1 files to %s", dest)
+    wanted = files or [(split, lang) for split in MULTI30K_SPLITS for lang in MULTI30K_LANGS]
+    urls = {f"{split}.{lang}.gz": MULTI30K_URL.format(split=split, lang=lang) for split, lang in wanted}
+    log.info("downloading Multi30k task-1 files to %s: %s", dest, ", ".join(urls))
     try:
         local = datasets.DownloadManager(dataset_name="multi30k").download(urls)
     except Exception as e:  # network errors come in many classes
-        raise DataError(f"cannot download Multi30k ({e.__class__.__name__}); set data.dir to a local copy") from None
+        raise DataError(f"cannot download Multi30k from {MULTI30K_SOURCE} ({e.__class__.__name__}); {fix}") from None
     dest.mkdir(parents=True, exist_ok=True)
     for name, path in local.items():
         tmp = dest / f".{name}.tmp"
@@ -182,11 +196,40 @@ def resolve_data_dir(cfg: DataConfig) -> Path:
             raise DataError(f"data.dir: directory {path} does not exist; set data.dir to a data dir")
         return path.resolve()
     candidates = [Path(p) for p in [os.environ.get("MTX_DATA_DIR")] if p] + list(_SHARED_COPIES)
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mtx" / "multi30k"
+    cache = multi30k_cache()
     for path in [*candidates, cache]:
         if (path / "train.en.gz").is_file() or (path / "train.en").is_file():
             return path.resolve()
     return download_multi30k(cache).resolve()
+
+
+def eval_split_files(data_dir: Path, split: str, src_lang: str, tgt_lang: str) -> tuple[Path, Path]:
+    """The source and target files of `split` in `data_dir`. An official Multi30k test split that
+    is not there (test_2017_flickr, test_2017_mscoco, test_2018_flickr: the shared copy and a first
+    download hold test_2016_flickr only) comes from mtx's download cache, fetched into it first if
+    needed; `data_dir` itself is never written."""
+    try:
+        return split_file(data_dir, split, src_lang), split_file(data_dir, split, tgt_lang)
+    except DataError:
+        if split not in MULTI30K_TESTS:
+            raise
+    has = MULTI30K_TESTS[split]
+    for lang in (src_lang, tgt_lang):
+        if lang not in has:
+            raise DataError(
+                f"{data_dir}: no {split}.{lang}, and Multi30k's {split} has no {lang!r} side (it has {', '.join(has)})"
+            )
+    cache = multi30k_cache()
+    try:
+        return split_file(cache, split, src_lang), split_file(cache, split, tgt_lang)
+    except DataError:
+        pass
+    log.info("%s is not in %s: using the official Multi30k files, fetched into %s", split, data_dir, cache)
+    names = " and ".join(f"{split}.{lang}.gz" for lang in (src_lang, tgt_lang))
+    download_multi30k(
+        cache, [(split, src_lang), (split, tgt_lang)], f"put {names} in {data_dir} or {cache}, or pass --src/--ref"
+    )
+    return split_file(cache, split, src_lang), split_file(cache, split, tgt_lang)
 
 
 def load_corpus(data_dir: Path, cfg: DataConfig, splits: Sequence[str]) -> datasets.DatasetDict:

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import mtx.data
 from mtx.cli import main
+from mtx.data import MULTI30K_URL
 
 REPO = Path(__file__).resolve().parent.parent
 # the local Multi30k copy beside the checkout, or where $MTX_DATA_DIR points (as `data.dir: auto` reads it)
@@ -98,3 +100,46 @@ def tiny_restricted_run(tmp_path_factory: pytest.TempPathFactory, small_data: Pa
     )
     assert main(args) == 0
     return run_dir
+
+
+class FakeMulti30k:
+    """`datasets.DownloadManager` serving Multi30k's URLs from a local folder (no network in tests);
+    a file the folder lacks fails as a missing URL does, and every requested name is recorded."""
+
+    def __init__(self, server: Path) -> None:
+        self.server, self.requested = server, []
+
+    def __call__(self, dataset_name: str) -> FakeMulti30k:
+        assert dataset_name == "multi30k"
+        return self
+
+    def download(self, urls: dict[str, str]) -> dict[str, str]:
+        self.requested += list(urls)
+        out = {}
+        for name, url in urls.items():
+            split, lang = name.removesuffix(".gz").rsplit(".", 1)
+            assert url == MULTI30K_URL.format(split=split, lang=lang)
+            if not (self.server / name).is_file():
+                raise FileNotFoundError(f"Couldn't find file at {url}")
+            out[name] = str(self.server / name)
+        return out
+
+
+@pytest.fixture
+def multi30k_server(tmp_path: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch) -> FakeMulti30k:
+    """A fake Multi30k server with train, val and the official test splits (each a slice of the small
+    data's own split, so lines differ between them), an empty $XDG_CACHE_HOME and no local copy."""
+    server = tmp_path / "server"
+    server.mkdir()
+    sources = {"train": "train", "val": "val", "test_2016_flickr": "test_2016_flickr", "test_2017_flickr": "val"}
+    for split, source in sources.items():
+        for lang in ("de", "en"):
+            text = (small_data / f"{source}.{lang}").read_text(encoding="utf-8")
+            (server / f"{split}.{lang}.gz").write_bytes(gzip.compress(text.encode()))
+    fake = FakeMulti30k(server)
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets, "DownloadManager", fake)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("MTX_DATA_DIR", raising=False)
+    monkeypatch.setattr(mtx.data, "_SHARED_COPIES", ())
+    return fake

@@ -15,7 +15,9 @@ from typing import IO
 import pytest
 import torch
 
-from .conftest import REPO, tiny_args
+from mtx.cli import main
+
+from .conftest import REPO, FakeMulti30k, tiny_args
 
 
 def _child_env() -> dict[str, str]:
@@ -248,3 +250,16 @@ def test_eval_decodes_an_ensemble_of_checkpoints(tiny_run: Path, tiny_restricted
     for extra in ([], both[:2]):
         r = mtx("eval", "--run", str(tiny_run), *extra, "--checkpoint", str(tmp_path / "reverse.pt"))
         assert_one_line_error(r, "the checkpoint translates en->de, the run de->en")
+
+
+def test_eval_scores_an_official_test_split_beyond_the_local_copy(
+    tiny_run: Path, multi30k_server: FakeMulti30k, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--split test_2017_flickr` on a run whose data directory lacks it: fetched into the cache, scored."""
+    assert main(["eval", "--run", str(tiny_run), "--split", "test_2017_flickr", "--beam", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["split"] == "test_2017_flickr" and result["sentences"] == 200  # the fake's copy of val
+    assert len((tiny_run / "eval" / "test_2017_flickr.beam1.en").read_text().splitlines()) == 200
+    assert multi30k_server.requested == ["test_2017_flickr.de.gz", "test_2017_flickr.en.gz"]
+    assert main(["eval", "--run", str(tiny_run), "--split", "test_2017_mscoco", "--beam", "1"]) == 1
+    assert "cannot download Multi30k" in capsys.readouterr().err  # the fake has no test_2017_mscoco

@@ -15,6 +15,7 @@ from mtx.data import (
     available_splits,
     epoch_batches,
     epoch_length,
+    eval_split_files,
     load_corpus,
     padding_fraction,
     plan_batches,
@@ -26,6 +27,8 @@ from mtx.data import (
 )
 from mtx.errors import DataError
 from mtx.tokenizer import BOS, EOS, PAD
+
+from .conftest import FakeMulti30k
 
 
 def test_loads_the_shared_multi30k_copy(shared_data: Path) -> None:
@@ -171,3 +174,51 @@ def test_batch_tensors_and_rank_shards() -> None:
     ids = ParallelIds([[4] * (s - 1) for s in src], [[4] * (t - 1) for t in tgt])
     shards = [list(epoch_batches(ids, 400, seed=1, epoch=0, rank=r, world_size=2)) for r in (0, 1)]
     assert len(shards[0]) == len(shards[1]) == epoch_length(ids, 400, 1, 0, world_size=2)
+
+
+def test_auto_data_downloads_multi30k_once_into_the_cache(multi30k_server: FakeMulti30k, tmp_path: Path) -> None:
+    fake = multi30k_server
+    for lang in ("fr", "cs"):  # the fake lacks most fr/cs files: make them, as the real server has them
+        for split in ("train", "val", "test_2016_flickr"):
+            if not (fake.server / f"{split}.{lang}.gz").is_file():
+                (fake.server / f"{split}.{lang}.gz").write_bytes(gzip.compress(b"x\n"))
+    cache = tmp_path / "cache" / "mtx" / "multi30k"
+    assert resolve_data_dir(DataConfig(dir="auto")) == cache.resolve()
+    assert sorted(fake.requested) == sorted(
+        f"{s}.{lang}.gz" for s in ("train", "val", "test_2016_flickr") for lang in ("en", "de", "fr", "cs")
+    )
+    assert sorted(p.name for p in cache.iterdir()) == sorted(fake.requested)  # whole files, no .tmp left
+    assert resolve_data_dir(DataConfig(dir="auto")) == cache.resolve() and len(fake.requested) == 12  # cached
+
+
+def test_eval_fetches_an_official_test_split_the_data_dir_lacks(
+    multi30k_server: FakeMulti30k, small_data: Path, tmp_path: Path
+) -> None:
+    fake = multi30k_server
+    before = sorted(p.name for p in small_data.iterdir())
+    src, tgt = eval_split_files(small_data, "test_2017_flickr", "de", "en")
+    cache = tmp_path / "cache" / "mtx" / "multi30k"
+    assert (src, tgt) == (cache / "test_2017_flickr.de.gz", cache / "test_2017_flickr.en.gz")
+    assert read_lines(tgt) == read_lines(small_data / "val.en")  # the fake's test_2017_flickr
+    assert fake.requested == ["test_2017_flickr.de.gz", "test_2017_flickr.en.gz"]
+    assert eval_split_files(small_data, "test_2017_flickr", "de", "en") == (src, tgt) and len(fake.requested) == 2
+    # a split the data directory holds is read from there, whatever the cache holds
+    assert eval_split_files(small_data, "test_2016_flickr", "de", "en")[0] == small_data / "test_2016_flickr.de"
+    assert sorted(p.name for p in small_data.iterdir()) == before  # the data directory is never written
+
+
+def test_eval_split_errors_name_the_fix(multi30k_server: FakeMulti30k, small_data: Path, tmp_path: Path) -> None:
+    fake = multi30k_server
+    with pytest.raises(DataError, match=r"no test_2099\.de or test_2099\.de\.gz"):  # not an official split
+        eval_split_files(small_data, "test_2099", "de", "en")
+    with pytest.raises(DataError, match=r"Multi30k's test_2017_mscoco has no 'cs' side \(it has en, de, fr\)"):
+        eval_split_files(small_data, "test_2017_mscoco", "cs", "en")
+    assert fake.requested == []
+    # the fake has no test_2018_flickr: a failed download names the files, where to put them, and --src/--ref
+    with pytest.raises(
+        DataError,
+        match=r"cannot download Multi30k .*\(FileNotFoundError\); put test_2018_flickr\.de\.gz and "
+        r"test_2018_flickr\.en\.gz in .* or .*, or pass --src/--ref",
+    ):
+        eval_split_files(small_data, "test_2018_flickr", "de", "en")
+    assert not (tmp_path / "cache" / "mtx" / "multi30k").exists()  # nothing half-written
