@@ -147,6 +147,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ref", type=Path, help="reference file (plain or .gz), with --src")
     p.add_argument("--lowercase", action="store_true", help="also report lowercased BLEU")
     p.add_argument("--output", type=Path, help="where to write hypotheses (default: RUN/eval/SPLIT.beamN.LANG)")
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print 95%% confidence intervals of BLEU and chrF from N bootstrap resamples of the sentences "
+        "(sacreBLEU's, seeded; 1000 is usual)",
+    )
+    p.add_argument(
+        "--paired",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="another system's translations of the same sentences (e.g. an earlier eval's hypotheses file): "
+        "paired bootstrap test of the difference, cased BLEU and chrF (repeatable; --bootstrap N resamples, "
+        "default 1000)",
+    )
     p.add_argument("--json", action="store_true", help="print the scores as one JSON object")
 
     p = sub.add_parser(
@@ -325,12 +343,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from mtx.data import eval_split_files, read_parallel
-    from mtx.evaluate import corpus_scores
+    from mtx.data import eval_split_files, read_lines, read_parallel
+    from mtx.evaluate import MIN_BOOTSTRAP, corpus_scores, paired_tests
     from mtx.search import translate
 
     if (args.src is None) != (args.ref is None):
         raise MtxError("--src and --ref go together (source file and reference file)")
+    if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
+        raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
     run = _load(args)
     cfg = run.cfg
     beam, alpha, batch_tokens, workers, stop = _decode_settings(args, cfg.decode)
@@ -343,6 +363,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise MtxError(f"data directory {data_dir} not found; pass --data-dir DIR or --src/--ref files")
         src, ref = read_parallel(*eval_split_files(data_dir, args.split, cfg.data.src_lang, cfg.data.tgt_lang))
         name = args.split
+    # the other systems' outputs, read and counted before decoding: a wrong file fails at once
+    others = [(str(path), read_lines(path, allow_empty=True)) for path in args.paired]
+    for path, lines in others:
+        if len(lines) != len(src):
+            raise MtxError(f"--paired {path}: {len(lines)} lines for the {len(src)} sentences of {name}")
     stop_tag = ".finished" if beam > 1 and stop == "finished" else ""  # the exact stop's file stays as it was
     output = args.output or args.run / "eval" / f"{name}.beam{beam}{stop_tag}.{cfg.data.tgt_lang}"
     output.parent.mkdir(parents=True, exist_ok=True)  # before decoding: a bad --output fails at once
@@ -360,7 +385,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         stop=stop,
     )
     output.write_text("".join(t + "\n" for t in text), encoding="utf-8")
-    scores = corpus_scores(text, ref)
+    scores = corpus_scores(text, ref, bootstrap=args.bootstrap)
+    paired = paired_tests(text, others, ref, args.bootstrap or 1000) if others else []
     result: dict[str, object] = {
         "split": name,
         "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}",
@@ -375,6 +401,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         low = corpus_scores(text, ref, lowercase=True)
         result["bleu_lowercase"] = round(low.bleu, 2)
         result["bleu_lowercase_signature"] = low.bleu_signature
+    if paired:
+        result["paired"] = [r.as_dict() for r in paired]
     if args.json:
         print(json.dumps(result))
         return 0
@@ -382,12 +410,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
         f"{name} {result['direction']} beam {beam}{', stop ' + stop if stop_tag else ''}, {result['precision']} "
         f"({len(src)} sentences, {', '.join(map(str, run.checkpoints))})"
     )
-    print(f"BLEU {scores.bleu:6.2f}  {scores.bleu_signature}")
+    print(f"BLEU {scores.bleu:6.2f}{_interval(scores.bleu_mean, scores.bleu_ci)}  {scores.bleu_signature}")
     if args.lowercase:
         print(f"BLEU {result['bleu_lowercase']:6.2f}  {result['bleu_lowercase_signature']}  (lowercased)")
-    print(f"chrF {scores.chrf:6.2f}  {scores.chrf_signature}")
+    print(f"chrF {scores.chrf:6.2f}{_interval(scores.chrf_mean, scores.chrf_ci)}  {scores.chrf_signature}")
+    for r in paired:
+        print(
+            f"against {r.name}: BLEU {r.bleu:.2f} -> {scores.bleu:.2f} ({r.bleu_delta:+.2f}, p = {r.bleu_p:.4f}), "
+            f"chrF {r.chrf:.2f} -> {scores.chrf:.2f} ({r.chrf_delta:+.2f}, p = {r.chrf_p:.4f})"
+        )
+    if paired:
+        print(
+            f"(paired bootstrap, {args.bootstrap or 1000} resamples: p is how often chance alone gives a difference "
+            "as large)"
+        )
     print(f"hypotheses: {output}")
     return 0
+
+
+def _interval(mean: float | None, ci: float | None) -> str:
+    """` ± CI (95%, bootstrap mean M)` after a score, where bootstrap resampling gave one."""
+    return "" if ci is None else f" ± {ci:.2f} (95% interval, bootstrap mean {mean:.2f})"
 
 
 def cmd_average(args: argparse.Namespace) -> int:

@@ -1,0 +1,76 @@
+"""Scores as `mtx eval` prints them: sacreBLEU's signatures, bootstrap intervals, paired tests."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from mtx.cli import main
+from mtx.evaluate import corpus_scores, paired_tests
+
+
+@pytest.fixture(scope="module")
+def refs(shared_data: Path) -> list[str]:
+    with gzip.open(shared_data / "val.en.gz", "rt", encoding="utf-8") as f:
+        return [line.strip() for line, _ in zip(f, range(300), strict=False)]
+
+
+def drop_words(lines: list[str], p: float, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(w for w in line.split() if rng.random() >= p) for line in lines]
+
+
+def test_bootstrap_intervals_are_seeded_and_bracket_the_score(refs: list[str]) -> None:
+    hyps = drop_words(refs, 0.3, 0)
+    plain, resampled = corpus_scores(hyps, refs), corpus_scores(hyps, refs, bootstrap=200)
+    assert resampled.bleu == plain.bleu and resampled.chrf == plain.chrf  # the score itself is unchanged
+    assert "bs:200|seed:12345" in resampled.bleu_signature and "bs:" not in plain.bleu_signature
+    assert plain.bleu_ci is None and "bleu_ci" not in plain.as_dict()
+    for score, mean, ci in (
+        (resampled.bleu, resampled.bleu_mean, resampled.bleu_ci),
+        (resampled.chrf, resampled.chrf_mean, resampled.chrf_ci),
+    ):
+        assert 0 < ci < 10 and abs(mean - score) < ci
+    assert corpus_scores(hyps, refs, bootstrap=200) == resampled  # seeded: a rerun prints the same interval
+
+
+def test_paired_test_finds_a_real_difference_and_none_between_identical_outputs(refs: list[str]) -> None:
+    good, bad = drop_words(refs, 0.1, 1), drop_words(refs, 0.4, 2)
+    better, same = paired_tests(good, [("bad", bad), ("good again", list(good))], refs, 200)
+    assert better.name == "bad" and better.bleu == pytest.approx(corpus_scores(bad, refs).bleu)
+    assert better.bleu_delta == pytest.approx(corpus_scores(good, refs).bleu - better.bleu) and better.bleu_delta > 10
+    assert better.bleu_p < 0.05 and better.chrf_p < 0.05
+    assert (same.bleu_delta, same.chrf_delta, same.bleu_p, same.chrf_p) == (0.0, 0.0, 1.0, 1.0)
+    # a small difference is not called significant: one sentence changed among 300
+    nearly = [*good[:-1], bad[-1]]
+    (close,) = paired_tests(good, [("nearly", nearly)], refs, 200)
+    assert 0 < abs(close.bleu_delta) < 0.5 and close.bleu_p > 0.05
+    assert set(better.as_dict()) == {"name", "bleu", "chrf", "bleu_delta", "chrf_delta", "bleu_p", "chrf_p"}
+
+
+def test_eval_prints_intervals_and_paired_tests(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = tmp_path / "greedy.en"
+    args = ["eval", "--run", str(tiny_run), "--split", "val", "--beam", "1"]
+    assert main([*args, "--output", str(first), "--bootstrap", "100", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {"bleu_mean", "bleu_ci", "chrf_mean", "chrf_ci"} <= set(result) and "bs:100" in result["bleu_signature"]
+    # the same decoding against its own earlier output: identical, so no difference and p = 1
+    assert main([*args, "--output", str(tmp_path / "again.en"), "--paired", str(first)]) == 0
+    out = capsys.readouterr().out
+    assert f"against {first}: BLEU {result['bleu']:.2f} -> {result['bleu']:.2f} (+0.00, p = 1.0000)" in out
+    assert "paired bootstrap, 1000 resamples" in out
+    # mistakes are one line, before decoding
+    (tmp_path / "short.en").write_text("a\nb\n")
+    assert main([*args, "--paired", str(tmp_path / "short.en")]) == 1
+    assert (
+        capsys.readouterr().err.strip()
+        == f"mtx: error: --paired {tmp_path / 'short.en'}: 2 lines for the 200 sentences of val"
+    )
+    assert main([*args, "--bootstrap", "10"]) == 1
+    assert "--bootstrap must be 0 (off) or at least 100" in capsys.readouterr().err
