@@ -429,7 +429,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _interval(mean: float | None, ci: float | None) -> str:
-    """` ± CI (95%, bootstrap mean M)` after a score, where bootstrap resampling gave one."""
+    """` ± CI (95% interval, bootstrap mean M)` after a score, where bootstrap resampling gave one."""
     return "" if ci is None else f" ± {ci:.2f} (95% interval, bootstrap mean {mean:.2f})"
 
 

@@ -31,7 +31,7 @@ MULTI30K_SOURCE = "https://github.com/multi30k/dataset/raw/master/data/task1/raw
 MULTI30K_URL = MULTI30K_SOURCE + "/{split}.{lang}.gz"
 MULTI30K_SPLITS = ("train", "val", "test_2016_flickr")
 MULTI30K_LANGS = ("en", "de", "fr", "cs")
-# the official test splits and their languages; all but test_2016_flickr are fetched when `mtx eval` asks
+# the official test splits and their languages: `mtx eval` fetches one that the data directory lacks
 MULTI30K_TESTS = {
     "test_2016_flickr": ("en", "de", "fr", "cs"),
     "test_2017_flickr": ("en", "de", "fr"),

@@ -58,9 +58,14 @@ def corpus_scores(
     n = max(bootstrap, 1)
     b = bleu.corpus_score(list(hypotheses), [list(references)], n_bootstrap=n)
     c = chrf.corpus_score(list(hypotheses), [list(references)], n_bootstrap=n)
-    spread = {}
+    spread: dict[str, float] = {}
     if bootstrap > 1:
-        spread = {"bleu_mean": b._mean, "bleu_ci": b._ci, "chrf_mean": float(c._mean), "chrf_ci": float(c._ci)}
+        spread = {
+            "bleu_mean": float(b._mean),
+            "bleu_ci": float(b._ci),
+            "chrf_mean": float(c._mean),
+            "chrf_ci": float(c._ci),
+        }
     return Scores(b.score, c.score, str(bleu.get_signature()), str(chrf.get_signature()), **spread)
 
 
