@@ -6,7 +6,11 @@ weights (checkpoints/ema.pt, when trained with train.ema), and the ensemble of t
 checkpoints for each N in `--ensemble` (decoded together, `mtx eval --checkpoint A --checkpoint B
 ...`), all with the config's length penalty; then, on the best of those, each length penalty in
 `--length-penalty`, then, with the best penalty, each beam size in `--beam` (default: the
-config's only). BLEU is computed as `mtx eval` computes it. With `--apply` the chosen average
+config's only). BLEU is computed as `mtx eval` computes it. The choice is then tested against
+where it started, the best single checkpoint at the config's penalty and beam: sacreBLEU's paired
+bootstrap test (1,000 resamples of val) says whether its gain could be chance. A gain found by
+picking the best of many settings on val is an optimistic estimate of that setting's gain on new
+data, however small its p-value; the test sets tell. With `--apply` the chosen average
 becomes the run's best.pt (the single best is kept as best_single.pt); a chosen ensemble leaves
 best.pt alone and the script prints the `mtx eval` command that decodes it. The last line is
 JSON for scripts.
@@ -39,7 +43,7 @@ from mtx.checkpoint import (  # noqa: E402
 )
 from mtx.data import read_parallel, split_file  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
-from mtx.evaluate import corpus_scores  # noqa: E402
+from mtx.evaluate import corpus_scores, paired_tests  # noqa: E402
 from mtx.model import Ensemble, Seq2Seq  # noqa: E402
 from mtx.search import translate  # noqa: E402
 from mtx.train import pick_device  # noqa: E402
@@ -63,8 +67,9 @@ def beam_sizes(text: str) -> list[int]:
 
 def val_bleu(
     model: Seq2Seq | Ensemble, run: LoadedRun, src_ids: list[list[int]], refs: list[str], alpha: float, beam: int = 0
-) -> float:
-    """Val BLEU of `model` (of `run`) at length penalty `alpha` and `beam` (0: the config's)."""
+) -> tuple[float, list[str]]:
+    """Val BLEU of `model` (of `run`) at length penalty `alpha` and `beam` (0: the config's), and
+    its translations."""
     dc = run.cfg.decode
     beam = beam or dc.beam
     text = translate(
@@ -79,7 +84,7 @@ def val_bleu(
         workers=dc.workers,
         stop=dc.stop,
     )
-    return corpus_scores(text, refs).bleu
+    return corpus_scores(text, refs).bleu, text
 
 
 def main() -> None:
@@ -117,8 +122,11 @@ def choose(args: argparse.Namespace) -> None:
     alpha = cfg.decode.length_penalty
     print(f"{args.run}: val, beam {cfg.decode.beam}, length penalty {alpha:g}")
 
-    def score(model: Seq2Seq | Ensemble, a: float = alpha, beam: int = 0) -> float:
-        return val_bleu(model, run, src_ids, refs, a, beam)
+    texts: dict[tuple[str, float, int], list[str]] = {}  # (candidate, penalty, beam) -> val translations
+
+    def score(name: str, model: Seq2Seq | Ensemble, a: float = alpha, beam: int = 0) -> float:
+        bleu, texts[name, a, beam or cfg.decode.beam] = val_bleu(model, run, src_ids, refs, a, beam)
+        return bleu
 
     def with_weights(payload: dict) -> Seq2Seq:
         model = copy.deepcopy(run.model)
@@ -132,7 +140,7 @@ def choose(args: argparse.Namespace) -> None:
     candidates: dict[str, tuple[Seq2Seq | Ensemble, dict | list[Path], float]] = {}
 
     def add(name: str, model: Seq2Seq | Ensemble, saved: dict | list[Path], detail: str = "") -> None:
-        candidates[name] = (model, saved, score(model))
+        candidates[name] = (model, saved, score(name, model))
         print(f"{name}{detail}: {candidates[name][2]:.2f}")
 
     add("best single", run.model, single_ckpt, f" ({single.name}, step {single_ckpt.get('step')})")
@@ -151,17 +159,30 @@ def choose(args: argparse.Namespace) -> None:
     penalties = {alpha: bleu}
     for a in args.length_penalty:
         if a not in penalties:
-            penalties[a] = score(model, a)
+            penalties[a] = score(name, model, a)
         print(f"  length penalty {a:g}: {penalties[a]:.2f}")
     best_alpha = max(penalties, key=lambda a: penalties[a])
     beams = {cfg.decode.beam: penalties[best_alpha]}
     for b in args.beam:
         if b not in beams:
-            beams[b] = score(model, best_alpha, b)
+            beams[b] = score(name, model, best_alpha, b)
         print(f"  beam {b} (length penalty {best_alpha:g}): {beams[b]:.2f}")
     best_beam = max(beams, key=lambda b: beams[b])
     print(f"chosen: {name}, length penalty {best_alpha:g}, beam {best_beam}: val BLEU {beams[best_beam]:.2f}")
-    result = {"chosen": name, "length_penalty": best_alpha, "beam": best_beam, "val_bleu": round(beams[best_beam], 2)}
+    result: dict[str, object] = {
+        "chosen": name,
+        "length_penalty": best_alpha,
+        "beam": best_beam,
+        "val_bleu": round(beams[best_beam], 2),
+    }
+    start = texts["best single", alpha, cfg.decode.beam]
+    (test,) = paired_tests(texts[name, best_alpha, best_beam], [("the start", start)], refs, 1000)
+    print(
+        f"against the start (best single, length penalty {alpha:g}, beam {cfg.decode.beam}): "
+        f"{test.bleu:.2f} -> {beams[best_beam]:.2f} ({test.bleu_delta:+.2f}), paired bootstrap p = {test.bleu_p:.4f}"
+        + (" (identical translations)" if test.bleu_p == 1.0 and test.bleu_delta == 0 else "")
+    )
+    result["start_val_bleu"], result["gain_p_value"] = round(test.bleu, 2), round(test.bleu_p, 4)
     if isinstance(chosen, list):  # an ensemble is decoded from its checkpoints: best.pt stays as it is
         result["checkpoints"] = [str(p) for p in chosen]
         flags = " ".join(f"--checkpoint {p}" for p in chosen)

@@ -97,6 +97,11 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run
     assert len(penalties) == 2 and len(beams) == 1
     assert choice["val_bleu"] == pytest.approx(max(*penalties, *beams), abs=0.01)
     assert choice["beam"] == (1 if beams[0] > max(penalties) else load_run(run_copy).cfg.decode.beam)
+    # the choice tested against where it started: the best single checkpoint at the config's settings
+    start = float(next(line for line in lines if line.startswith("best single")).rsplit(": ", 1)[1])
+    assert choice["start_val_bleu"] == pytest.approx(start, abs=0.01) and 0 < choice["gain_p_value"] <= 1
+    tested = next(line for line in lines if line.startswith("against the start (best single, length penalty"))
+    assert f"{start:.2f} -> {choice['val_bleu']:.2f}" in tested and f"p = {choice['gain_p_value']:.4f}" in tested
     best = load_checkpoint(run_copy / "checkpoints" / "best.pt")
     assert ("averaged_from" in best) == (choice["chosen"] == "average of the last 2")
     assert ("ema_decay" in best) == (choice["chosen"] == "moving average")
