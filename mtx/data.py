@@ -182,9 +182,12 @@ def download_multi30k(
         raise DataError(f"cannot download Multi30k from {MULTI30K_SOURCE} ({e.__class__.__name__}); {fix}") from None
     dest.mkdir(parents=True, exist_ok=True)
     for name, path in local.items():
-        tmp = dest / f".{name}.tmp"
-        tmp.write_bytes(Path(path).read_bytes())
-        os.replace(tmp, dest / name)
+        tmp = dest / f".{name}.{os.getpid()}.tmp"  # one per process: two fetching at once never share one
+        try:
+            tmp.write_bytes(Path(path).read_bytes())
+            os.replace(tmp, dest / name)
+        finally:  # a full disk leaves no partial file behind
+            tmp.unlink(missing_ok=True)
     return dest
 
 

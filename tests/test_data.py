@@ -221,3 +221,15 @@ def test_eval_split_errors_name_the_fix(multi30k_server: FakeMulti30k, small_dat
     ):
         eval_split_files(small_data, "test_2018_flickr", "de", "en")
     assert not (tmp_path / "cache" / "mtx" / "multi30k").exists()  # nothing half-written
+
+
+def test_a_failed_write_leaves_no_partial_file(
+    multi30k_server: FakeMulti30k, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full_disk(src: object, dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):  # `mtx` prints it as one line (tests/test_cli.py)
+        eval_split_files(small_data, "test_2017_flickr", "de", "en")
+    assert list((tmp_path / "cache" / "mtx" / "multi30k").iterdir()) == []
