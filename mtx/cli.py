@@ -344,7 +344,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from mtx.data import eval_split_files, read_lines, read_parallel
-    from mtx.evaluate import MIN_BOOTSTRAP, corpus_scores, paired_tests
+    from mtx.evaluate import MIN_BOOTSTRAP, PAIRED_SAMPLES, corpus_scores, paired_tests
     from mtx.search import translate
 
     if (args.src is None) != (args.ref is None):
@@ -386,7 +386,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     output.write_text("".join(t + "\n" for t in text), encoding="utf-8")
     scores = corpus_scores(text, ref, bootstrap=args.bootstrap)
-    paired = paired_tests(text, others, ref, args.bootstrap or 1000) if others else []
+    samples = args.bootstrap or PAIRED_SAMPLES
+    paired = paired_tests(text, others, ref, samples) if others else []
     result: dict[str, object] = {
         "split": name,
         "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}",
@@ -420,10 +421,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"chrF {r.chrf:.2f} -> {scores.chrf:.2f} ({r.chrf_delta:+.2f}, p = {r.chrf_p:.4f})"
         )
     if paired:
-        print(
-            f"(paired bootstrap, {args.bootstrap or 1000} resamples: p is how often chance alone gives a difference "
-            "as large)"
-        )
+        print(f"(paired bootstrap, {samples} resamples: p is how often chance alone gives a difference as large)")
     print(f"hypotheses: {output}")
     return 0
 

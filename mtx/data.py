@@ -211,8 +211,12 @@ def eval_split_files(data_dir: Path, split: str, src_lang: str, tgt_lang: str) -
     is not there (test_2017_flickr, test_2017_mscoco, test_2018_flickr: the shared copy and a first
     download hold test_2016_flickr only) comes from mtx's download cache, fetched into it first if
     needed; `data_dir` itself is never written."""
+
+    def both(folder: Path) -> tuple[Path, Path]:
+        return split_file(folder, split, src_lang), split_file(folder, split, tgt_lang)
+
     try:
-        return split_file(data_dir, split, src_lang), split_file(data_dir, split, tgt_lang)
+        return both(data_dir)
     except DataError:
         if split not in MULTI30K_TESTS:
             raise
@@ -224,7 +228,7 @@ def eval_split_files(data_dir: Path, split: str, src_lang: str, tgt_lang: str) -
             )
     cache = multi30k_cache()
     try:
-        return split_file(cache, split, src_lang), split_file(cache, split, tgt_lang)
+        return both(cache)
     except DataError:
         pass
     log.info("%s is not in %s: using the official Multi30k files, fetched into %s", split, data_dir, cache)
@@ -232,7 +236,7 @@ def eval_split_files(data_dir: Path, split: str, src_lang: str, tgt_lang: str) -
     download_multi30k(
         cache, [(split, src_lang), (split, tgt_lang)], f"put {names} in {data_dir} or {cache}, or pass --src/--ref"
     )
-    return split_file(cache, split, src_lang), split_file(cache, split, tgt_lang)
+    return both(cache)
 
 
 def load_corpus(data_dir: Path, cfg: DataConfig, splits: Sequence[str]) -> datasets.DatasetDict:

@@ -18,6 +18,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from sacrebleu.significance import PairedTest
 
 MIN_BOOTSTRAP = 100  # fewer resamples give intervals too rough to print
+PAIRED_SAMPLES = 1000  # resamples of a paired test when none are asked for (sacreBLEU's default)
 
 
 @dataclass(frozen=True)

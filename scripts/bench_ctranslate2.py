@@ -46,7 +46,7 @@ from bench_decode import decode_all, split_batches  # noqa: E402
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.data import pad_ids  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
-from mtx.export import ctranslate2_vocabulary, export_ctranslate2  # noqa: E402
+from mtx.export import OUTSIDE_BIAS, ctranslate2_vocabulary, export_ctranslate2  # noqa: E402
 from mtx.search import decode_workers, max_output_lengths  # noqa: E402
 from mtx.tokenizer import EOS  # noqa: E402
 
@@ -56,7 +56,7 @@ def convert(run: LoadedRun, out_dir: Path) -> None:
     if run.model.output_ids is not None:
         print(
             f"note: mtx's softmax covers {len(run.model.output_ids)} of {run.model.output_table.shape[0]} target "
-            "pieces (model.restrict_output); CTranslate2 gets all of them, the others at a bias of -1e9"
+            f"pieces (model.restrict_output); CTranslate2 gets all of them, the others at a bias of {OUTSIDE_BIAS:g}"
         )
     export_ctranslate2(run, out_dir)
 

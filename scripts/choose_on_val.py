@@ -43,7 +43,7 @@ from mtx.checkpoint import (  # noqa: E402
 )
 from mtx.data import read_parallel, split_file  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
-from mtx.evaluate import corpus_scores, paired_tests  # noqa: E402
+from mtx.evaluate import PAIRED_SAMPLES, corpus_scores, paired_tests  # noqa: E402
 from mtx.model import Ensemble, Seq2Seq  # noqa: E402
 from mtx.search import translate  # noqa: E402
 from mtx.train import pick_device  # noqa: E402
@@ -175,12 +175,12 @@ def choose(args: argparse.Namespace) -> None:
         "beam": best_beam,
         "val_bleu": round(beams[best_beam], 2),
     }
-    start = texts["best single", alpha, cfg.decode.beam]
-    (test,) = paired_tests(texts[name, best_alpha, best_beam], [("the start", start)], refs, 1000)
+    start, final = texts["best single", alpha, cfg.decode.beam], texts[name, best_alpha, best_beam]
+    (test,) = paired_tests(final, [("the start", start)], refs, PAIRED_SAMPLES)
     print(
         f"against the start (best single, length penalty {alpha:g}, beam {cfg.decode.beam}): "
         f"{test.bleu:.2f} -> {beams[best_beam]:.2f} ({test.bleu_delta:+.2f}), paired bootstrap p = {test.bleu_p:.4f}"
-        + (" (identical translations)" if test.bleu_p == 1.0 and test.bleu_delta == 0 else "")
+        + (" (identical translations)" if final == start else "")
     )
     result["start_val_bleu"], result["gain_p_value"] = round(test.bleu, 2), round(test.bleu_p, 4)
     if isinstance(chosen, list):  # an ensemble is decoded from its checkpoints: best.pt stays as it is
