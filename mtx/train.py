@@ -354,6 +354,14 @@ class SmoothedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
+        ctx.smoothing = smoothing
+        if torch.compiler.is_compiling():  # `train.compile`: one functional block (see `_compiled_grad`)
+            with torch.autocast(logits.device.type, enabled=False):
+                z = logits.float()
+                lse = torch.logsumexp(z, dim=-1)
+                total = _smoothed_block_loss(lse, z.gather(1, target[:, None]).squeeze(1), z.mean(dim=-1), smoothing)
+            ctx.save_for_backward(logits, target, lse)
+            return total
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         block = _loss_block_rows(logits.device)
@@ -365,13 +373,14 @@ class SmoothedCrossEntropy(torch.autograd.Function):
                 picked = z.gather(1, target[i : i + block, None]).squeeze(1)
                 total += _smoothed_block_loss(rows_lse, picked, z.mean(dim=-1), smoothing)
         ctx.save_for_backward(logits, target, lse)
-        ctx.smoothing = smoothing
         return total
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         logits, target, lse = ctx.saved_tensors
         eps = ctx.smoothing
+        if torch.compiler.is_compiling():
+            return SmoothedCrossEntropy._compiled_grad(logits, target, lse, eps, grad), None, None
         out = torch.empty_like(logits)
         in_place = logits.dtype == torch.float32  # softmax in `out` itself: no (R, V) temporaries (1.4x)
         block = _loss_block_rows(logits.device)
@@ -387,6 +396,19 @@ class SmoothedCrossEntropy(torch.autograd.Function):
                 if not in_place:
                     out[rows] = p
         return out, None, None
+
+    @staticmethod
+    def _compiled_grad(
+        logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, eps: float, grad: torch.Tensor
+    ) -> torch.Tensor:
+        """The gradient as `torch.compile` traces it: whole, with no writes into slices of a
+        buffer. The blocked version's writes into `out[rows]` came back as zero gradients from
+        torch 2.11's compiled backward on the CPU (its inductor has known wrong gradients around
+        slice writes); inductor fuses and tiles this form itself."""
+        with torch.autocast(logits.device.type, enabled=False):
+            p = torch.exp(logits.float() - lse[:, None])
+            _smoothed_block_grad_(p, target[:, None], eps)
+            return (p * grad).to(logits.dtype)
 
 
 class ProjectedSmoothedCrossEntropy(torch.autograd.Function):

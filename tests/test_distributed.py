@@ -1,4 +1,7 @@
-"""Distributed training on CPU (DDP over gloo): 2 ranks take the 1-rank step; torchrun end to end."""
+"""Distributed training on CPU (DDP over gloo): 2 ranks take the 1-rank step; torchrun end to end.
+
+Every run sets `train.device=cpu`: with `auto` on a machine with one GPU, rank 1 would find no GPU of
+its own (`rank_device`'s error)."""
 
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ def test_rank_shards_are_dealt_round_robin_so_resume_can_change_the_rank_count()
 
 
 def equivalence_config(data_dir: Path) -> Config:
-    overrides = ["model.dropout=0.0", "train.amp=fp32", "train.eval_sentences=10"]
+    overrides = ["model.dropout=0.0", "train.amp=fp32", "train.eval_sentences=10", "train.device=cpu"]
     return load_config(TINY_CONFIG, [f"data.dir={data_dir}", *overrides])
 
 
@@ -144,7 +147,9 @@ def amp_worker(rank: int, data_dir: Path, run_dir: Path, store: Path, out: Path)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        cfg = load_config(TINY_CONFIG, [f"data.dir={data_dir}", "train.amp=auto", "train.eval_sentences=10"])
+        cfg = load_config(
+            TINY_CONFIG, [f"data.dir={data_dir}", "train.amp=auto", "train.eval_sentences=10", "train.device=cpu"]
+        )
         trainer = Trainer(cfg, run_dir, resume=False, ranks=Ranks(rank, rank, 2))
         (out / f"amp{rank}.txt").write_text(str(trainer.amp))
     finally:
@@ -171,7 +176,7 @@ def test_torchrun_trains_resumes_and_translates(tmp_path: Path, mini_data: Path)
     the weights, which rank 0 alone keeps and saves."""
     run_dir = tmp_path / "run"
     common = ("--set", "train.eval_every=10", "--set", "train.log_every=5", "--set", "train.accum_steps=2")
-    common += ("--set", "tokenizer.bpe_dropout=0.1", "--set", "train.ema=0.9")
+    common += ("--set", "tokenizer.bpe_dropout=0.1", "--set", "train.ema=0.9", "--set", "train.device=cpu")
     r = torchrun(
         *tiny_args(mini_data, run_dir, *common, "--set", "train.max_steps=10", "--set", "train.eval_sentences=20")
     )
