@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -244,8 +245,8 @@ def _decode_settings(args: argparse.Namespace, cfg_decode: object) -> tuple[int,
     stop = args.stop or cfg_decode.stop  # type: ignore[attr-defined]
     if beam < 1:
         raise MtxError(f"--beam must be >= 1, got {beam}")
-    if alpha < 0:
-        raise MtxError(f"--length-penalty must be >= 0, got {alpha}")
+    if not (math.isfinite(alpha) and alpha >= 0):
+        raise MtxError(f"--length-penalty must be a finite number >= 0, got {alpha}")
     if batch_tokens < 1:
         raise MtxError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     if workers < 0:

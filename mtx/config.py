@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -250,13 +251,17 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
         raise bad
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise bad from None
-        raise bad
+        else:
+            raise bad
+        if not math.isfinite(number):  # YAML's .nan/.inf, or --set x=nan: every key has 0 as its "off"
+            raise ConfigError(f"{where}: {key} must be a finite number, got {value!r}")
+        return number
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

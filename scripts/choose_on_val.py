@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -49,20 +50,23 @@ from mtx.search import translate  # noqa: E402
 from mtx.train import pick_device  # noqa: E402
 
 
-def numbers(text: str) -> list[float]:
-    """'0.6,1.0' -> [0.6, 1.0]; an argparse type, so a bad list is a one-line usage error."""
+def penalties(text: str) -> list[float]:
+    """'0.6,1.0' -> [0.6, 1.0], finite and >= 0; an argparse type, so a bad list is a one-line usage error."""
     try:
-        return [float(x) for x in text.split(",") if x]
+        values = [float(x) for x in text.split(",") if x]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        values = [math.nan]
+    if not all(math.isfinite(v) and v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}")
+    return values
 
 
-def beam_sizes(text: str) -> list[int]:
-    """'5,8' -> [5, 8]; an argparse type like `numbers`."""
-    sizes = numbers(text)
-    if any(b != int(b) or b < 1 for b in sizes):
+def counts(text: str) -> list[int]:
+    """'5,8' -> [5, 8]: beam sizes or checkpoint counts; an argparse type like `penalties`."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not all(x.isdigit() and int(x) >= 1 for x in parts):
         raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 1, got {text!r}")
-    return [int(b) for b in sizes]
+    return [int(x) for x in parts]
 
 
 def val_bleu(
@@ -90,13 +94,11 @@ def val_bleu(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run", type=Path, required=True)
+    parser.add_argument("--last", type=counts, default="3,4,5,7,10", help="how many newest step checkpoints to average")
+    parser.add_argument("--length-penalty", type=penalties, default="0.6,0.8,1.0,1.2,1.4,1.6,2.0")
+    parser.add_argument("--beam", type=counts, default="", help="beam sizes to try (default: the config's)")
     parser.add_argument(
-        "--last", type=numbers, default="3,4,5,7,10", help="how many newest step checkpoints to average"
-    )
-    parser.add_argument("--length-penalty", type=numbers, default="0.6,0.8,1.0,1.2,1.4,1.6,2.0")
-    parser.add_argument("--beam", type=beam_sizes, default="", help="beam sizes to try (default: the config's)")
-    parser.add_argument(
-        "--ensemble", type=beam_sizes, default="2,4", help="ensembles of the newest N step checkpoints to try"
+        "--ensemble", type=counts, default="2,4", help="ensembles of the newest N step checkpoints to try"
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
@@ -144,7 +146,7 @@ def choose(args: argparse.Namespace) -> None:
         print(f"{name}{detail}: {candidates[name][2]:.2f}")
 
     add("best single", run.model, single_ckpt, f" ({single.name}, step {single_ckpt.get('step')})")
-    for n in sorted({int(x) for x in args.last}):
+    for n in sorted(set(args.last)):
         if 1 <= n <= len(steps):
             payload = average_checkpoints(steps[-n:])
             add(f"average of the last {n}", with_weights(payload), payload)

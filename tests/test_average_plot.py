@@ -110,8 +110,14 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run
     assert ("checkpoints" in choice) == (choice["chosen"] == "ensemble of the last 2")
     bad_ensemble = subprocess.run([*args[:4], "--ensemble", "1"], capture_output=True, text=True)
     assert bad_ensemble.returncode == 2 and "an ensemble has at least 2 checkpoints" in bad_ensemble.stderr
-    bad_beam = subprocess.run([*args[:4], "--beam", "2.5"], capture_output=True, text=True)
-    assert bad_beam.returncode == 2 and "expected comma-separated whole numbers >= 1, got '2.5'" in bad_beam.stderr
+    for option, value, want in (
+        ("--beam", "2.5", "whole numbers >= 1, got '2.5'"),
+        ("--last", "3,2.5", "whole numbers >= 1, got '3,2.5'"),
+        ("--length-penalty", "1.0,-1", "numbers >= 0, got '1.0,-1'"),
+        ("--length-penalty", "nan", "numbers >= 0, got 'nan'"),
+    ):
+        bad = subprocess.run([*args[:4], f"{option}={value}"], capture_output=True, text=True)
+        assert bad.returncode == 2 and f"argument {option}: expected comma-separated {want}" in bad.stderr
     bad_device = subprocess.run([*args[:4], "--device", "nosuch"], capture_output=True, text=True)
     assert bad_device.returncode == 1
     assert bad_device.stderr.strip().splitlines() == [

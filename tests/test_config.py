@@ -46,6 +46,9 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("model:\n  pre_norm: 1\n", "model.pre_norm must be true or false"),
         ("train:\n  batch_tokens: 0\n", r"train.batch_tokens must be > 0"),
         ("train:\n  lr: -1\n", r"train.lr must be > 0"),
+        ("train:\n  lr: .nan\n", "train.lr must be a finite number, got nan"),
+        ("decode:\n  length_penalty: .inf\n", "decode.length_penalty must be a finite number, got inf"),
+        ("train:\n  adam_betas: [0.9, .nan]\n", "train.adam_betas must be a finite number"),
         ("model:\n  d_model: 100\n  n_heads: 3\n", "divisible by model.n_heads"),
         ("model:\n  dropout: 1.5\n", r"model.dropout must be in \[0, 1\)"),
         ("tokenizer:\n  bpe_dropout: 1.0\n", r"tokenizer.bpe_dropout must be in \[0, 1\)"),
@@ -92,6 +95,8 @@ def test_overrides_convert_to_field_types() -> None:
     assert cfg.train.max_steps == 7 and cfg.train.lr == 1e-3 and cfg.model.pre_norm is False
     assert cfg.train.adam_betas == (0.9, 0.99)
     assert load_config(None, ["train.lr=1"]).train.lr == 1.0  # int -> float
+    with pytest.raises(ConfigError, match="train.clip_norm must be a finite number, got 'inf'"):
+        load_config(None, ["train.clip_norm=inf"])
 
 
 def test_override_errors() -> None:

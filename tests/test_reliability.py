@@ -531,6 +531,11 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ("--beam must be >= 1",),
     ),
     (
+        "translate --length-penalty nan",
+        lambda t, d, r: (["translate", "--run", str(r), "--length-penalty", "nan", "x"], None),
+        ("--length-penalty must be a finite number >= 0, got nan",),
+    ),
+    (
         "eval --workers -1",
         lambda t, d, r: (["eval", "--run", str(r), "--workers", "-1"], None),
         ("--workers must be >= 0",),
