@@ -351,6 +351,8 @@ def validate(cfg: Config, where: str = "config") -> None:
     for key in _UNIT_INTERVAL:
         if not 0.0 <= flat[key] < 1.0:
             raise ConfigError(f"{where}: {key} must be in [0, 1), got {flat[key]!r}")
+    if not 0 <= cfg.train.seed < 2**32:
+        raise ConfigError(f"{where}: train.seed must be in [0, 2**32), got {cfg.train.seed}")
     m = cfg.model
     if m.activation_dropout != -1.0 and not 0.0 <= m.activation_dropout < 1.0:
         raise ConfigError(

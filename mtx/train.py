@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import threading
 import time
@@ -40,6 +41,7 @@ from mtx.data import (
     Batch,
     ParallelIds,
     epoch_batches,
+    epoch_length,
     extra_source_texts,
     load_corpus,
     padding_fraction,
@@ -655,6 +657,15 @@ class StopRequest:
             signal.signal(sig, old)
 
 
+def too_few_batches(pairs: int, batches: int, tc: TrainConfig, world_size: int) -> str:
+    """The error for an epoch with fewer batches than one update takes."""
+    per_rank = f" per rank ({world_size} ranks)" if world_size > 1 else ""
+    return (
+        f"an epoch of {pairs} training pairs makes {batches} batches of train.batch_tokens={tc.batch_tokens}"
+        f"{per_rank}, fewer than train.accum_steps={tc.accum_steps}: lower train.accum_steps or train.batch_tokens"
+    )
+
+
 class Trainer:
     """Holds a run's model, optimizer and data; `fit` runs the loop.
 
@@ -704,6 +715,14 @@ class Trainer:
             )
         self.train_ids = ParallelIds.encode(train_src, train_tgt, self.src_tok, self.tgt_tok, cfg.data.max_len)
         self.train_texts = (train_src, train_tgt)
+        if not len(self.train_ids):
+            raise MtxError(
+                f"data.max_len={cfg.data.max_len}: all {len(train_src)} training pairs are longer than that "
+                "in BPE tokens; raise data.max_len"
+            )
+        batches = epoch_length(self.train_ids, tc.batch_tokens, tc.seed, 0, ranks.world_size)
+        if batches < tc.accum_steps:  # an epoch without an update: the loop would never end
+            raise MtxError(too_few_batches(len(self.train_ids), batches, tc, ranks.world_size))
         if extra_texts is None:
             extra_texts = extra_source_texts(data_dir, cfg.data)
         self.extra_ids = self._extra_source_ids(*extra_texts)  # (extra language, tgt) pairs, or None
@@ -942,12 +961,17 @@ class Trainer:
                 self.ranks.rank,
                 self.ranks.world_size,
             )
+            seen, whole_epoch = 0, self.state.batch == 0
             for batch in batches:
                 group.append(batch)
+                seen += 1
                 if len(group) == tc.accum_steps:
                     self.state.batch += len(group)
                     yield group
                     group = []
+            if whole_epoch and seen < tc.accum_steps:  # not one update: the loop would never end
+                pairs = len(self._epoch_ids(self.state.epoch))
+                raise MtxError(too_few_batches(pairs, seen, tc, self.ranks.world_size))
             if group:  # an epoch's leftover micro-batches are dropped so resume stays exact
                 group = []
             self.state.epoch += 1
@@ -1319,6 +1343,18 @@ class Trainer:
         return out_of_patience
 
 
+def _remove_contents(run_dir: Path, keep_dir: bool) -> None:
+    """Undo a failed start in a directory that it found missing or empty (no checkpoint yet)."""
+    if not keep_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for path in run_dir.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
     """Refuse to overwrite another run, or to resume one that has no last.pt; writes nothing.
 
@@ -1443,6 +1479,9 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     if not resume:
         cfg = resolve_config(cfg)
     check_run_dir(run_dir, cfg, resume)
+    existed = run_dir.is_dir()
+    new_dir = not resume and not (existed and any(run_dir.iterdir()))  # this call writes all it holds
+    failed_start = False
     if not resume:
         init_source(cfg)  # a bad train.init_from is an error before anything is written
     device = rank_device(cfg.train.device, ranks)
@@ -1465,7 +1504,11 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
         else:
             mtx_log.setLevel(logging.WARNING)  # rank 0 reports for the job
         with StopRequest() as stop:
-            trainer = Trainer(cfg, run_dir, resume, corpus, ranks, extra_texts)
+            try:
+                trainer = Trainer(cfg, run_dir, resume, corpus, ranks, extra_texts)
+            except MtxError:  # a setup error (bad data for this config): leave no half-made run behind
+                failed_start = new_dir and ranks.is_main
+                raise
             if resume and ranks.is_main:  # record --set changes, now that the checkpoint has been restored
                 ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
             try:
@@ -1482,5 +1525,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
             logging.getLogger().removeHandler(handler)
             handler.close()
         mtx_log.setLevel(level)
+        if failed_start:
+            _remove_contents(run_dir, keep_dir=existed)
         if ranks.world_size > 1:
             dist.destroy_process_group()

@@ -475,6 +475,26 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ("model.d_model must be > 0",),
     ),
     (
+        "NaN in --set",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "train.lr=nan"), None),
+        ("train.lr must be a finite number, got 'nan'",),
+    ),
+    (
+        "seed out of range",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "train.seed=-1"), None),
+        ("train.seed must be in [0, 2**32), got -1",),
+    ),
+    (
+        "data.max_len below every training pair (found after the tokenizer is trained)",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "data.max_len=1"), None),
+        ("data.max_len=1: all", "training pairs are longer than that in BPE tokens; raise data.max_len"),
+    ),
+    (
+        "more accumulation steps than an epoch has batches",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "train.accum_steps=100000"), None),
+        ("fewer than train.accum_steps=100000: lower train.accum_steps or train.batch_tokens",),
+    ),
+    (
         "d_model not divisible by n_heads",
         lambda t, d, r: (tiny_args(d, t / "r", "--set", "model.n_heads=3"), None),
         ("model.d_model (64) must be divisible by model.n_heads (3)",),
@@ -643,6 +663,29 @@ def test_bad_input_is_one_line_error_and_changes_nothing(
     before = snapshot(tmp_path, tiny_run)
     assert_one_line_error(mtx(*argv, stdin=stdin), *needles)
     assert snapshot(tmp_path, tiny_run) == before  # nothing created, changed or removed
+
+
+def test_a_failed_start_leaves_its_empty_directory_for_the_fixed_config(
+    tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A setup error found after the run directory was written (here: after the tokenizer was
+    trained) removes what that start wrote, so the same --run-dir takes the corrected config."""
+    run = tmp_path / "run"
+    run.mkdir()
+    assert main(mini_args(mini_data, run, "--set", "data.max_len=1")) == 1
+    assert "raise data.max_len" in capsys.readouterr().err
+    assert run.is_dir() and not any(run.iterdir())  # it was there, empty: it stays, empty
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_every=2")) == 0
+
+
+def test_an_epoch_without_an_update_is_an_error_not_an_endless_loop(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The training loop's own check, for an epoch smaller than the first (which setup checks)."""
+    monkeypatch.setattr(train_module, "epoch_length", lambda *args: 10**6)  # past the setup's check
+    assert main(mini_args(mini_data, tmp_path / "run", "--set", "train.accum_steps=100000")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("mtx: error: an epoch of ") and "fewer than train.accum_steps=100000" in err[-1]
 
 
 def test_documented_non_errors(tiny_run: Path) -> None:
