@@ -127,11 +127,14 @@ def test_two_ranks_take_the_single_process_step(tmp_path: Path, mini_data: Path)
     assert ranks[0]["losses"] == ranks[1]["losses"]
     # ... and they are the single-process step on the two ranks' batches put together
     assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=1e-5)
-    for step, (ddp_grads, single_grads) in enumerate(zip(ranks[0]["grads"], single["grads"], strict=True)):
-        for x, y in zip(ddp_grads, single_grads, strict=True):
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-7, msg=lambda m, s=step: f"step {s + 1}: {m}")
     # Adam divides each element by its own gradient scale, so float noise on a near-zero gradient
-    # can move a weight by up to the learning rate (here 6e-5 at step 1 to 2.4e-4 at step 4)
+    # can move a weight by up to the learning rate (here 6e-5 at step 1 to 2.4e-4 at step 4): the
+    # first step's gradients are taken at the same weights, later ones at weights that may differ
+    # that much (torch 2.4.1: up to 1e-5 apart at step 4; torch 2.13 within 1e-7)
+    for step, (ddp_grads, single_grads) in enumerate(zip(ranks[0]["grads"], single["grads"], strict=True)):
+        atol = 1e-7 if step == 0 else 1e-4
+        for x, y in zip(ddp_grads, single_grads, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=atol, msg=lambda m, s=step: f"step {s + 1}: {m}")
     for x, y in zip(ranks[0]["weights"], single["weights"], strict=True):
         torch.testing.assert_close(x, y, rtol=0.0, atol=1e-4)
     # accumulation all-reduces once per update: a step of 2 micro-batches as often as a step of 1
