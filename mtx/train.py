@@ -404,9 +404,9 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, eps: float, grad: torch.Tensor
     ) -> torch.Tensor:
         """The gradient as `torch.compile` traces it: whole, with no writes into slices of a
-        buffer. The blocked version's writes into `out[rows]` came back as zero gradients from
-        torch 2.11's compiled backward on the CPU (its inductor has known wrong gradients around
-        slice writes); inductor fuses and tiles this form itself."""
+        buffer. Traced, the blocked version's writes into `out[rows]` gave wrong gradients (zeros)
+        under torch 2.11 on the CPU in fp32 (its inductor has known wrong gradients around slice
+        writes); inductor fuses and tiles this form itself."""
         with torch.autocast(logits.device.type, enabled=False):
             p = torch.exp(logits.float() - lse[:, None])
             _smoothed_block_grad_(p, target[:, None], eps)
