@@ -47,6 +47,11 @@ class Scores:
         return out
 
 
+def _metrics(lowercase: bool = False) -> tuple[BLEU, CHRF]:
+    """BLEU (13a, cased unless `lowercase`) and chrF as mtx scores them, in `corpus_scores` and `paired_tests`."""
+    return BLEU(tokenize="13a", lowercase=lowercase), CHRF()
+
+
 def corpus_scores(
     hypotheses: Sequence[str], references: Sequence[str], lowercase: bool = False, bootstrap: int = 0
 ) -> Scores:
@@ -54,8 +59,7 @@ def corpus_scores(
     resamples (at least `MIN_BOOTSTRAP`), their 95% confidence intervals too."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
-    bleu = BLEU(tokenize="13a", lowercase=lowercase)
-    chrf = CHRF()
+    bleu, chrf = _metrics(lowercase)
     n = max(bootstrap, 1)
     b = bleu.corpus_score(list(hypotheses), [list(references)], n_bootstrap=n)
     c = chrf.corpus_score(list(hypotheses), [list(references)], n_bootstrap=n)
@@ -99,9 +103,10 @@ def paired_tests(
             same = corpus_scores(hypotheses, references)
             results.append(PairedResult(name, same.bleu, same.chrf, 0.0, 0.0, 1.0, 1.0))
             continue
+        bleu, chrf = _metrics()
         test = PairedTest(
             [(name, list(other)), ("this", list(hypotheses))],
-            {"BLEU": BLEU(tokenize="13a"), "chrF": CHRF()},
+            {"BLEU": bleu, "chrF": chrf},
             [list(references)],
             test_type="bs",
             n_samples=samples,

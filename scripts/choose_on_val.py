@@ -52,12 +52,13 @@ from mtx.train import pick_device  # noqa: E402
 
 def penalties(text: str) -> list[float]:
     """'0.6,1.0' -> [0.6, 1.0], finite and >= 0; an argparse type, so a bad list is a one-line usage error."""
+    bad = argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}")
     try:
         values = [float(x) for x in text.split(",") if x]
     except ValueError:
-        values = [math.nan]
+        raise bad from None
     if not all(math.isfinite(v) and v >= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}")
+        raise bad
     return values
 
 
