@@ -196,10 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plot",
         help="plot learning curves of one run or several",
-        description="Write a PNG of losses, val BLEU and learning rate; several --run draw their curves together.",
+        description="Write an image (PNG) of losses, val BLEU and learning rate; several --run draw their curves together.",
     )
     p.add_argument("--run", required=True, type=Path, action="append", help="run directory (repeatable)")
-    p.add_argument("--out", type=Path, help="output PNG (default: RUN/curves.png; several runs: compare.png)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="output image: PNG, or the type its suffix names, e.g. .svg or .pdf (default: RUN/curves.png; several "
+        "runs: compare.png)",
+    )
     p.add_argument("--x", choices=("step", "time"), default="step", help="x axis: update steps or minutes of training")
 
     p = sub.add_parser(

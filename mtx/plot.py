@@ -7,7 +7,7 @@ Plotting needs matplotlib, the optional extra `mtx[plot]`; comparing needs nothi
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +41,10 @@ def _events(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 
 
 def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
-    """Write a PNG with train/val loss, val BLEU and learning rate of each run against update
-    steps (`x="step"`) or minutes of training (`x="time"`, the loop's wall time, resumes
-    included: what `train.max_minutes` budgets)."""
+    """Write an image (PNG unless `out`'s suffix names another type) with train/val loss, val
+    BLEU and learning rate of each run against update steps (`x="step"`) or minutes of training
+    (`x="time"`, the loop's wall time, resumes included: what `train.max_minutes` budgets).
+    Returns the path written."""
     if x not in X_AXES:
         raise MtxError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}")
     try:
@@ -51,8 +52,10 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError:
         raise MtxError("mtx plot needs matplotlib: pip install 'mtx[plot]'") from None
+    out = _image_path(out, FigureCanvasAgg.get_supported_filetypes())
     runs = [(run_dir, *_events(run_dir)) for run_dir in run_dirs]
 
     def xs(events: list[dict[str, Any]]) -> list[float]:
@@ -81,6 +84,19 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
+    return out
+
+
+def _image_path(out: Path, formats: Iterable[str]) -> Path:
+    """`out`, with `.png` added where it has no suffix (matplotlib would add it unseen); an
+    image type matplotlib cannot write is a one-line error."""
+    if not out.suffix:
+        return out.with_suffix(".png")
+    if out.suffix[1:].lower() not in formats:
+        raise MtxError(
+            f"--out {out}: matplotlib cannot write {out.suffix} files; use one of "
+            + ", ".join(f".{f}" for f in sorted(formats))
+        )
     return out
 
 

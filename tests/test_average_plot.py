@@ -160,3 +160,18 @@ def test_plot_draws_several_runs_against_time(tmp_path: Path) -> None:
     out = tmp_path / "both.png"
     assert main(["plot", "--run", str(runs[0]), "--run", str(runs[1]), "--x", "time", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_writes_the_type_out_names_and_says_where(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = fake_run(tmp_path / "a", 0.1, [3.0, 2.0])
+    assert main(["plot", "--run", str(run), "--out", str(tmp_path / "curves.svg")]) == 0
+    assert (tmp_path / "curves.svg").read_text(encoding="utf-8").lstrip().startswith("<?xml")
+    # no suffix: a PNG, at the path printed (matplotlib would add .png unseen)
+    assert main(["plot", "--run", str(run), "--out", str(tmp_path / "curves")]) == 0
+    printed = capsys.readouterr().out.split()[-1]
+    assert printed == str(tmp_path / "curves.png") and Path(printed).read_bytes()[:4] == b"\x89PNG"
+    # a type matplotlib cannot write: one line, no file
+    assert main(["plot", "--run", str(run), "--out", str(tmp_path / "curves.txt")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out" in err and "cannot write .txt files" in err and ".svg" in err
+    assert not (tmp_path / "curves.txt").exists()
