@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,7 +64,9 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-penalty", type=float, help="GNMT length penalty alpha (default: decode.length_penalty)")
     p.add_argument("--batch-tokens", type=int, help="decode batch size in source tokens (default: decode.batch_tokens)")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--threads", type=int, default=0, help="CPU threads, at most the CPUs here (default: torch's choice)"
+    )
     p.add_argument(
         "--workers",
         type=int,
@@ -196,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plot",
         help="plot learning curves of one run or several",
-        description="Write an image (PNG) of losses, val BLEU and learning rate; several --run draw their curves together.",
+        description="Write an image (PNG) of losses, val BLEU and learning rate; several --run draw their curves "
+        "together.",
     )
     p.add_argument("--run", required=True, type=Path, action="append", help="run directory (repeatable)")
     p.add_argument(
@@ -264,14 +268,25 @@ def _precision(args: argparse.Namespace, cfg: Config) -> str:
     return args.precision or cfg.decode.precision
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
 def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, imported lazily
     import torch
 
     from mtx.checkpoint import load_run
     from mtx.train import cpu_bf16_speedup, pick_device
 
-    if args.threads < 0:
-        raise MtxError(f"--threads must be >= 0, got {args.threads}")
+    cpus = _usable_cpus()
+    if not 0 <= args.threads <= cpus:  # too many: slow, and past a few thousand a crash in OpenMP
+        raise MtxError(
+            f"--threads must be 0 (torch's choice) to {cpus} (the CPUs mtx may use here), got {args.threads}"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device, "--device")

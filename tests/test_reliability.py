@@ -556,6 +556,11 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ("--length-penalty must be a finite number >= 0, got nan",),
     ),
     (
+        "translate --threads beyond this machine's CPUs (a few thousand crashed OpenMP)",
+        lambda t, d, r: (["translate", "--run", str(r), "--threads", "100000", "x"], None),
+        ("--threads must be 0 (torch's choice) to", "got 100000"),
+    ),
+    (
         "eval --workers -1",
         lambda t, d, r: (["eval", "--run", str(r), "--workers", "-1"], None),
         ("--workers must be >= 0",),
