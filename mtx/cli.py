@@ -391,6 +391,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise MtxError(f"--paired {path}: {len(lines)} lines for the {len(src)} sentences of {name}")
     stop_tag = ".finished" if beam > 1 and stop == "finished" else ""  # the exact stop's file stays as it was
     output = args.output or args.run / "eval" / f"{name}.beam{beam}{stop_tag}.{cfg.data.tgt_lang}"
+    if output.is_dir():
+        raise MtxError(f"--output {output} is a directory; give the hypotheses file's path")
     output.parent.mkdir(parents=True, exist_ok=True)  # before decoding: a bad --output fails at once
     text = translate(
         run.model,

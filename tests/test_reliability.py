@@ -561,6 +561,11 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ("--threads must be 0 (torch's choice) to", "got 100000"),
     ),
     (
+        "eval --output a directory (found before decoding)",
+        lambda t, d, r: (["eval", "--run", str(r), "--data-dir", str(d), "--output", str(t)], None),
+        ("--output", "is a directory; give the hypotheses file's path"),
+    ),
+    (
         "eval --workers -1",
         lambda t, d, r: (["eval", "--run", str(r), "--workers", "-1"], None),
         ("--workers must be >= 0",),
