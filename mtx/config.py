@@ -448,6 +448,29 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str = "--s
         raw[section][name] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (it would keep the last
+    silently: `max_steps: 3` then `max_steps: 5` trains 5 steps)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged keys may be overridden
+            continue
+        key = loader.construct_object(key_node)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} appears twice in one mapping; keep one", key_node.start_mark
+            )
+        seen.add(key)
+    loader.flatten_mapping(node)
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     """Read a YAML config (or defaults when path is None) and apply --set overrides."""
     raw: Any = {}
@@ -462,7 +485,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: cannot read config ({e})") from None
         try:
-            raw = yaml.safe_load(text)
+            raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a safe loader
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -1376,6 +1376,8 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
             and config_path.is_file()
             and config_path.read_text(encoding="utf-8") == config_text(cfg)
         )
+        if not same_start and not config_path.is_file():
+            raise MtxError(f"{run_dir}: directory holds other files, not an mtx run; choose a new or empty --run-dir")
         if not same_start:
             raise MtxError(
                 f"{run_dir}: run directory already holds a run; continue it with --resume or choose a new --run-dir"

@@ -450,6 +450,19 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ("c.yaml", "unknown key train.max_step", "did you mean train.max_steps"),
     ),
     (
+        "a key twice in YAML (PyYAML would keep the last silently)",
+        lambda t, d, r: (
+            ["train", "--config", str(_write(t / "c.yaml", "train:\n  max_steps: 3\n  max_steps: 5\n"))],
+            None,
+        ),
+        ("c.yaml", "line 3", "key 'max_steps' appears twice"),
+    ),
+    (
+        "--run-dir holding other files",
+        lambda t, d, r: (tiny_args(d, _write(t / "notes.txt", "mine").parent), None),
+        ("directory holds other files, not an mtx run", "choose a new or empty --run-dir"),
+    ),
+    (
         "unknown key in --set",
         lambda t, d, r: (tiny_args(d, t / "r", "--set", "model.dmodel=8"), None),
         ("unknown key model.dmodel", "did you mean model.d_model"),
