@@ -19,13 +19,44 @@ from mtx.config import QUANTIZATIONS, STOPS
 from mtx.errors import MtxError, os_error_line
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from mtx.config import Config
 
 log = logging.getLogger("mtx")
 
 STDIN_BUFFER_LINES = 10_000  # `mtx translate`: most lines of standard input translated and written at a time
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def int_in(low: int, high: int | None = None, note: str = "") -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high] (no upper bound when high is None);
+    `note` says what the bound is, e.g. "the CPUs here"."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in {low}..{high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}{f' ({note})' if note else ''}, got {value}")
+        return value
+
+    return parse
+
+
+def thread_count() -> Callable[[str], int]:
+    """An argparse type for the scripts' --threads: 1 to the CPUs this process may use (more only
+    slows them, and a few thousand crash OpenMP)."""
+    return int_in(1, usable_cpus(), "the CPUs here")
 
 
 class _TqdmHandler(logging.StreamHandler):
@@ -268,21 +299,13 @@ def _precision(args: argparse.Namespace, cfg: Config) -> str:
     return args.precision or cfg.decode.precision
 
 
-def _usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity where the OS tells it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
-
-
 def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, imported lazily
     import torch
 
     from mtx.checkpoint import load_run
     from mtx.train import cpu_bf16_speedup, pick_device
 
-    cpus = _usable_cpus()
+    cpus = usable_cpus()
     if not 0 <= args.threads <= cpus:  # too many: slow, and past a few thousand a crash in OpenMP
         raise MtxError(
             f"--threads must be 0 (torch's choice) to {cpus} (the CPUs mtx may use here), got {args.threads}"

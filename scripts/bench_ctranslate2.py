@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_decode import decode_all, split_batches  # noqa: E402
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
+from mtx.cli import int_in, thread_count, usable_cpus  # noqa: E402
 from mtx.data import pad_ids  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
 from mtx.export import OUTSIDE_BIAS, ctranslate2_vocabulary, export_ctranslate2  # noqa: E402
@@ -100,11 +101,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, required=True, help="trained mtx run directory")
     parser.add_argument("--split", default="test_2016_flickr")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch-sentences", type=int, default=64)
-    parser.add_argument("--beam", type=int, default=5)
-    parser.add_argument("--sentences", type=int, default=0, help="first N sentences only (0: all)")
-    parser.add_argument("--rounds", type=int, default=2, help="timed passes over the split per setting")
+    parser.add_argument("--threads", type=thread_count(), default=min(2, usable_cpus()))
+    parser.add_argument("--batch-sentences", type=int_in(1), default=64)
+    parser.add_argument("--beam", type=int_in(1), default=5)
+    parser.add_argument("--sentences", type=int_in(0), default=0, help="first N sentences only (0: all)")
+    parser.add_argument("--rounds", type=int_in(1), default=2, help="timed passes over the split per setting")
     args = parser.parse_args()
     try:
         import ctranslate2

@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
+from mtx.cli import int_in, thread_count, usable_cpus  # noqa: E402
 from mtx.cli import main as mtx_main  # noqa: E402
 from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
@@ -133,18 +134,21 @@ def main() -> None:
     parser.add_argument("--config", default="configs/tiny.yaml", help="config to train when --run is not given")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--split", default="test_2016_flickr")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch-sentences", type=int, default=64)
-    parser.add_argument("--sentences", type=int, default=0, help="first N sentences only (0: all)")
+    parser.add_argument("--threads", type=thread_count(), default=min(2, usable_cpus()))
+    parser.add_argument("--batch-sentences", type=int_in(1), default=64)
+    parser.add_argument("--sentences", type=int_in(0), default=0, help="first N sentences only (0: all)")
     parser.add_argument("--no-length-cap", action="store_true", help="max output length 1.5*src+10 (a=1.5)")
     parser.add_argument(
         "--turn-batches",
-        type=int,
+        type=int_in(1),
         default=4,
         help="batches per default decoding thread in each setting's turn (1: the layout before stop 31)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=1, help="passes over the split, each alternating the settings (seconds per pass)"
+        "--rounds",
+        type=int_in(1),
+        default=1,
+        help="passes over the split, each alternating the settings (seconds per pass)",
     )
     parser.add_argument(
         "--precision",
@@ -154,10 +158,6 @@ def main() -> None:
         "fp32 adds two bf16 rows beside it where the CPU has native bf16",
     )
     args = parser.parse_args()
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    if args.turn_batches < 1:
-        parser.error(f"--turn-batches must be at least 1, got {args.turn_batches}")
     native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if args.precision == "bf16" and not native_bf16:
         parser.error("--precision bf16 needs a CPU with native bf16 (AVX-512 BF16 or AMX); this one emulates it")

@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.checkpoint import load_run  # noqa: E402
+from mtx.cli import int_in  # noqa: E402
 from mtx.data import read_lines, resolve_data_dir, split_file  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
 from mtx.search import translate_ids  # noqa: E402
@@ -110,7 +111,7 @@ def main() -> None:
     parser.add_argument("--data-dir", type=Path, help="folder of the split's files (default: the run's data.dir)")
     parser.add_argument("--split", default="test_2016_flickr")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, cpu (default: cuda)")
-    parser.add_argument("--sentences", type=int, default=0, help="first N sentences only (0: all)")
+    parser.add_argument("--sentences", type=int_in(0), default=0, help="first N sentences only (0: all)")
     args = parser.parse_args()
     device = pick_device(args.device, "--device")
     decode_rows(args.run, args.data_dir, args.split, args.sentences, device)

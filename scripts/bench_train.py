@@ -34,6 +34,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mtx.cli import int_in, thread_count, usable_cpus  # noqa: E402
 from mtx.config import Config, ModelConfig, load_config  # noqa: E402
 from mtx.data import Batch, ParallelIds, load_corpus, padding_fraction, plan_batches, resolve_data_dir, texts  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
@@ -203,9 +204,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/multi30k_de_en.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per setting")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per setting")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int_in(1), default=12, help="timed steps per setting")
+    parser.add_argument("--warmup", type=int_in(0), default=3, help="untimed steps per setting")
+    parser.add_argument("--threads", type=thread_count(), default=min(2, usable_cpus()))
     parser.add_argument("--compile", action="store_true", help="also time mtx under torch.compile")
     parser.add_argument("--ablate", action="store_true", help="also time mtx with each speed change undone")
     args = parser.parse_args()

@@ -42,6 +42,7 @@ from mtx.checkpoint import (  # noqa: E402
     make_best,
     step_checkpoints,
 )
+from mtx.cli import thread_count, usable_cpus  # noqa: E402
 from mtx.data import read_parallel, split_file  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
 from mtx.evaluate import PAIRED_SAMPLES, corpus_scores, paired_tests  # noqa: E402
@@ -101,7 +102,7 @@ def main() -> None:
     parser.add_argument(
         "--ensemble", type=counts, default="2,4", help="ensembles of the newest N step checkpoints to try"
     )
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=thread_count(), default=min(2, usable_cpus()))
     parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     parser.add_argument("--apply", action="store_true", help="make the chosen average the run's best.pt")
     args = parser.parse_args()

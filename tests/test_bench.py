@@ -140,6 +140,22 @@ def test_benchmarks_report_a_user_mistake_in_one_line(
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {message.format(tmp=tmp_path)}"), result.stderr
 
 
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        ("bench_decode.py", ["--threads", "100000"], "argument --threads: must be in 1.."),
+        ("bench_ctranslate2.py", ["--run", ".", "--beam", "0"], "argument --beam: must be >= 1, got 0"),
+        ("bench_train.py", ["--steps", "-2"], "argument --steps: must be >= 1, got -2"),
+    ],
+)
+def test_benchmarks_refuse_counts_out_of_range_before_any_work(script: str, args: list[str], message: str) -> None:
+    """argparse's usage and one error line, exit code 2 (100,000 threads crashed OpenMP; 0
+    sentences a batch was a traceback; -1 sentences decoded all but the last)."""
+    result = subprocess.run([sys.executable, str(SCRIPT.with_name(script)), *args], capture_output=True, text=True)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and last.startswith(f"{script}: error: {message}"), result.stderr
+
+
 def _raise(error: BaseException) -> Callable[[], None]:
     def main() -> None:
         raise error

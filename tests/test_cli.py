@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -15,7 +16,7 @@ from typing import IO
 import pytest
 import torch
 
-from mtx.cli import main
+from mtx.cli import int_in, main, usable_cpus
 
 from .conftest import REPO, FakeMulti30k, tiny_args
 
@@ -88,6 +89,15 @@ def test_train_translate_eval_round_trip(tmp_path: Path, small_data: Path) -> No
     r = mtx(*tiny_args(small_data, run_dir))
     assert_one_line_error(r, "already holds a run", "--resume")
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
+
+
+def test_int_in_bounds_whole_numbers() -> None:
+    parse = int_in(1, 4, "the CPUs here")
+    assert parse("1") == 1 and parse("4") == 4
+    for text, message in (("0", "must be in 1..4 (the CPUs here), got 0"), ("5", "got 5"), ("2.5", "whole number")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            parse(text)
+    assert int_in(0)("1000000") == 1000000 and usable_cpus() >= 1
 
 
 def test_help_lists_every_option() -> None:
