@@ -312,12 +312,46 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
     return out, chosen
 
 
+# best.pt is training's best single checkpoint, unless `make_best` put a chosen average there:
+# then training's is best_single.pt, which exists only while that is so
+BEST, BEST_SINGLE, BEST_AVERAGE = "best.pt", "best_single.pt", "best_average.pt"
+
+
 def make_best(run_dir: Path, payload: dict[str, Any]) -> Path:
     """Write `payload` (an average) as the run's best.pt; the best single checkpoint that training
     saved there is kept as best_single.pt, so nothing is lost."""
-    best = checkpoint_dir(run_dir) / "best.pt"
-    single = checkpoint_dir(run_dir) / "best_single.pt"
+    best = checkpoint_dir(run_dir) / BEST
+    single = checkpoint_dir(run_dir) / BEST_SINGLE
     if best.is_file() and not single.exists():
         os.replace(best, single)
     atomic_save(payload, best)
     return best
+
+
+def best_single(run_dir: Path) -> Path:
+    """Training's best single checkpoint: best_single.pt while a chosen average holds best.pt."""
+    single = checkpoint_dir(run_dir) / BEST_SINGLE
+    return single if single.is_file() else checkpoint_dir(run_dir) / BEST
+
+
+def restore_best_single(run_dir: Path) -> Path:
+    """Make training's best single checkpoint best.pt again (undo `make_best`)."""
+    best = checkpoint_dir(run_dir) / BEST
+    single = checkpoint_dir(run_dir) / BEST_SINGLE
+    if single.is_file():
+        os.replace(single, best)
+    return best
+
+
+def save_new_best(run_dir: Path, payload: dict[str, Any]) -> Path | None:
+    """Training's new best single checkpoint into best.pt. Where a chosen average held best.pt
+    (a run resumed after `mtx average --as-best`), that average is kept as best_average.pt and
+    its path returned, and best_single.pt, now outdated, goes."""
+    ckpts = checkpoint_dir(run_dir)
+    kept = None
+    if (ckpts / BEST_SINGLE).exists() and (ckpts / BEST).is_file():
+        os.replace(ckpts / BEST, ckpts / BEST_AVERAGE)
+        kept = ckpts / BEST_AVERAGE
+    atomic_save(payload, ckpts / BEST)
+    (ckpts / BEST_SINGLE).unlink(missing_ok=True)
+    return kept

@@ -937,7 +937,9 @@ class Trainer:
         if bleu > self.state.best_bleu:
             self.state.best_bleu, self.state.best_step = bleu, self.state.step
             self.state.evals_without_gain = 0
-            ckpt_io.atomic_save(payload, ckpts / "best.pt")
+            kept = ckpt_io.save_new_best(self.run_dir, payload)
+            if kept is not None:
+                log.info("best.pt held an average chosen after training; it is kept as %s", kept)
         else:
             self.state.evals_without_gain += 1
 

@@ -33,13 +33,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.checkpoint import (  # noqa: E402
+    BEST_SINGLE,
     LoadedRun,
-    atomic_save,
     average_checkpoints,
+    best_single,
     checkpoint_dir,
     load_checkpoint,
     load_run,
     make_best,
+    restore_best_single,
     step_checkpoints,
 )
 from mtx.cli import thread_count, usable_cpus  # noqa: E402
@@ -114,7 +116,7 @@ def main() -> None:
 
 def choose(args: argparse.Namespace) -> None:
     ckpts = checkpoint_dir(args.run)
-    single = ckpts / "best_single.pt" if (ckpts / "best_single.pt").is_file() else ckpts / "best.pt"
+    single = best_single(args.run)
     device = pick_device(args.device, "--device")
     run = load_run(args.run, [single], device)
     cfg = run.cfg
@@ -193,9 +195,8 @@ def choose(args: argparse.Namespace) -> None:
         print(f"decode it with: mtx eval --run {args.run} {flags} --length-penalty {best_alpha:g} --beam {best_beam}")
     elif args.apply and chosen is not single_ckpt:
         print(f"{make_best(args.run, chosen)} is now the {name}")
-    elif args.apply and single.name == "best_single.pt":  # an earlier average was best.pt
-        atomic_save(single_ckpt, ckpts / "best.pt")
-        print(f"{single} is now {ckpts / 'best.pt'} again")
+    elif args.apply and single.name == BEST_SINGLE:  # an earlier average was best.pt
+        print(f"{single} is now {restore_best_single(args.run)} again")
     print(json.dumps(result))
 
 

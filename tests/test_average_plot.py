@@ -9,7 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtx.checkpoint import average_checkpoints, load_checkpoint, load_run, step_checkpoints
+from mtx.checkpoint import (
+    atomic_save,
+    average_checkpoints,
+    best_single,
+    load_checkpoint,
+    load_run,
+    make_best,
+    restore_best_single,
+    save_new_best,
+    step_checkpoints,
+)
 from mtx.cli import main
 from mtx.errors import CheckpointError
 
@@ -38,6 +48,28 @@ def test_average_command_as_best_keeps_the_old_best(run_copy: Path, capsys: pyte
     assert (ckpts / "best_single.pt").read_bytes() == old_best
     assert load_checkpoint(ckpts / "best.pt")["averaged_from"] == [p.name for p in step_checkpoints(run_copy)[-2:]]
     assert main(["translate", "--run", str(run_copy), "--beam", "2", "Ein Hund läuft."]) == 0
+
+
+def _read(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def test_a_resumed_run_keeps_the_chosen_average_beside_its_new_best(tmp_path: Path) -> None:
+    """best_single.pt exists only while a chosen average holds best.pt: training's next best
+    moves the average to best_average.pt (before, it overwrote it, and a later --as-best kept
+    the outdated best_single.pt and overwrote the newer best single)."""
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    atomic_save({"step": 40}, ckpts / "best.pt")  # training's best
+    make_best(tmp_path, {"step": 40, "averaged_from": ["step_30.pt", "step_40.pt"]})
+    assert best_single(tmp_path) == ckpts / "best_single.pt"
+    assert save_new_best(tmp_path, {"step": 60}) == ckpts / "best_average.pt"  # resumed training improved
+    assert _read(ckpts / "best_average.pt")["averaged_from"] == ["step_30.pt", "step_40.pt"]
+    assert best_single(tmp_path) == ckpts / "best.pt" and not (ckpts / "best_single.pt").exists()
+    make_best(tmp_path, {"step": 60, "averaged_from": ["step_50.pt", "step_60.pt"]})
+    assert _read(ckpts / "best_single.pt")["step"] == 60  # the newer single, not step 40's
+    assert restore_best_single(tmp_path) == ckpts / "best.pt" and _read(ckpts / "best.pt")["step"] == 60
+    assert not (ckpts / "best_single.pt").exists() and save_new_best(tmp_path, {"step": 80}) is None
 
 
 def test_average_of_more_than_the_kept_checkpoints_says_so(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
