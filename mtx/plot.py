@@ -16,28 +16,49 @@ from mtx.errors import MtxError
 X_AXES = ("step", "time")
 
 
+# what `mtx plot` and `mtx compare` read from each event mtx train writes
+NEEDED = {"train": ("step", "loss", "lr", "elapsed_s"), "valid": ("step", "val_loss", "val_bleu", "elapsed_s")}
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The events of `metrics.jsonl`; a torn last line (a killed run) is skipped."""
+    return [event for _, event in _numbered_events(run_dir)]
+
+
+def _numbered_events(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise MtxError(f"{run_dir}: no metrics.jsonl; is this an mtx run directory?")
     events = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(event, dict):
+            events.append((number, event))
     return events
 
 
 def _events(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train events, valid events) of a run; a run with neither is an error."""
-    events = read_metrics(run_dir)
-    train = [e for e in events if e.get("event") == "train"]
-    valid = [e for e in events if e.get("event") == "valid"]
-    if not train and not valid:
+    """(train events, valid events) of a run; a run with neither, or an event without a number
+    that plotting needs, is an error."""
+    events: dict[str, list[dict[str, Any]]] = {"train": [], "valid": []}
+    for number, event in _numbered_events(run_dir):
+        kind = event.get("event")
+        if kind not in events:
+            continue
+        for key in NEEDED[kind]:
+            value = event.get(key)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise MtxError(
+                    f"{run_dir / 'metrics.jsonl'}: line {number}: a {kind} event without a number {key!r} "
+                    f"(got {value!r}); the file is not as mtx train writes it"
+                )
+        events[kind].append(event)
+    if not events["train"] and not events["valid"]:
         raise MtxError(f"{run_dir}/metrics.jsonl holds no train or valid events yet")
-    return train, valid
+    return events["train"], events["valid"]
 
 
 def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:

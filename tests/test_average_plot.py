@@ -174,6 +174,17 @@ def fake_run(path: Path, step_seconds: float, val_losses: list[float]) -> Path:
     return path
 
 
+def test_metrics_not_as_mtx_writes_them_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    good = fake_run(tmp_path / "good", 0.1, [3.0, 2.0])
+    bad = fake_run(tmp_path / "bad", 0.1, [3.0])
+    with (bad / "metrics.jsonl").open("a") as f:  # after the torn line, which is skipped
+        f.write('\n[1, 2]\n{"event": "valid", "step": 200, "val_loss": 1.0, "val_bleu": "high", "elapsed_s": 9}\n')
+    for argv in (["compare", "--run", str(good), "--run", str(bad)], ["plot", "--run", str(bad)]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "metrics.jsonl: line 5: a valid event without a number 'val_bleu'" in err
+
+
 def test_compare_lines_runs_up_at_equal_steps_and_equal_time(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # the second run's steps take half as long: at the first run's step 200 (40 s) it has validated step 400
     slow = fake_run(tmp_path / "slow", 0.2, [3.0, 2.0, 1.5])
