@@ -388,7 +388,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from mtx.data import eval_split_files, read_lines, read_parallel
-    from mtx.evaluate import MIN_BOOTSTRAP, PAIRED_SAMPLES, corpus_scores, paired_tests
+    from mtx.evaluate import MAX_RESAMPLED, MIN_BOOTSTRAP, PAIRED_SAMPLES, corpus_scores, paired_tests
     from mtx.search import translate
 
     if (args.src is None) != (args.ref is None):
@@ -407,6 +407,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise MtxError(f"data directory {data_dir} not found; pass --data-dir DIR or --src/--ref files")
         src, ref = read_parallel(*eval_split_files(data_dir, args.split, cfg.data.src_lang, cfg.data.tgt_lang))
         name = args.split
+    samples = args.bootstrap or (PAIRED_SAMPLES if args.paired else 0)
+    if samples * len(src) > MAX_RESAMPLED:  # before decoding; sacreBLEU would run out of memory after it
+        raise MtxError(
+            f"{samples} bootstrap resamples of {len(src)} sentences take {samples * len(src) * 8 / 2**30:.0f} GB "
+            f"in sacreBLEU; pass --bootstrap {MAX_RESAMPLED // len(src)} or fewer"
+        )
     # the other systems' outputs, read and counted before decoding: a wrong file fails at once
     others = [(str(path), read_lines(path, allow_empty=True)) for path in args.paired]
     for path, lines in others:
@@ -432,7 +438,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     output.write_text("".join(t + "\n" for t in text), encoding="utf-8")
     scores = corpus_scores(text, ref, bootstrap=args.bootstrap)
-    samples = args.bootstrap or PAIRED_SAMPLES
     paired = paired_tests(text, others, ref, samples) if others else []
     result: dict[str, object] = {
         "split": name,

@@ -19,6 +19,9 @@ from sacrebleu.significance import PairedTest
 
 MIN_BOOTSTRAP = 100  # fewer resamples give intervals too rough to print
 PAIRED_SAMPLES = 1000  # resamples of a paired test when none are asked for (sacreBLEU's default)
+# most resampled sentences (resamples x sentences): sacreBLEU draws them all at once as int64
+# indices, so this many take 2 GB
+MAX_RESAMPLED = 250_000_000
 
 
 @dataclass(frozen=True)

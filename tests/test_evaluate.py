@@ -74,3 +74,8 @@ def test_eval_prints_intervals_and_paired_tests(
     )
     assert main([*args, "--bootstrap", "10"]) == 1
     assert "--bootstrap must be 0 (off) or at least 100" in capsys.readouterr().err
+    # sacreBLEU would need 6 GB for these resamples (before, found after decoding, if memory allowed)
+    assert main([*args, "--bootstrap", "4000000"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "4000000 bootstrap resamples of 200 sentences take 6 GB" in err
+    assert "pass --bootstrap 1250000 or fewer" in err
