@@ -459,7 +459,11 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[An
         if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged keys may be overridden
             continue
         key = loader.construct_object(key_node)
-        if key in seen:
+        try:
+            repeated = key in seen
+        except TypeError:  # an unhashable key: construct_mapping says so below
+            continue
+        if repeated:
             raise yaml.constructor.ConstructorError(
                 None, None, f"key {key!r} appears twice in one mapping; keep one", key_node.start_mark
             )

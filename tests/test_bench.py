@@ -149,8 +149,8 @@ def test_benchmarks_report_a_user_mistake_in_one_line(
     ],
 )
 def test_benchmarks_refuse_counts_out_of_range_before_any_work(script: str, args: list[str], message: str) -> None:
-    """argparse's usage and one error line, exit code 2 (100,000 threads crashed OpenMP; 0
-    sentences a batch was a traceback; -1 sentences decoded all but the last)."""
+    """argparse's usage and one error line, exit code 2, before any work (100,000 threads
+    crashed OpenMP)."""
     result = subprocess.run([sys.executable, str(SCRIPT.with_name(script)), *args], capture_output=True, text=True)
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and last.startswith(f"{script}: error: {message}"), result.stderr
