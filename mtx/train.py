@@ -691,7 +691,7 @@ class Trainer:
             for path in ckpt_io.clean_stale_tmp(ckpt_io.checkpoint_dir(run_dir)):
                 log.info("removed %s, left by an interrupted save", path)
         if tc.threads:
-            torch.set_num_threads(tc.threads)
+            torch.set_num_threads(_thread_count(tc.threads))
         seed_everything(tc.seed)
         self.device = rank_device(tc.device, ranks)
         self.amp = amp_dtype(self.device, tc.amp)
@@ -1343,6 +1343,17 @@ class Trainer:
         out_of_patience = self._from_main(out_of_patience)
         self.save()
         return out_of_patience
+
+
+def _thread_count(threads: int) -> int:
+    """`train.threads`, at most the CPUs here: more only slows training, and a few thousand crash
+    OpenMP. A config moves between machines, so a larger value is a warning, not an error."""
+    from mtx.cli import usable_cpus
+
+    cpus = usable_cpus()
+    if threads > cpus:
+        log.warning("train.threads=%d is more than the %d CPUs here: training uses %d threads", threads, cpus, cpus)
+    return min(threads, cpus)
 
 
 def _remove_contents(run_dir: Path, keep_dir: bool) -> None:

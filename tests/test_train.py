@@ -413,3 +413,15 @@ def test_init_from_mistakes_are_one_line_and_write_nothing(
     result = mtx(*tiny_args(small_data, tmp_path / "ft", *extra))
     assert_one_line_error(result, "train.init_from: ", message.format(tmp=tmp_path))
     assert not (tmp_path / "ft").exists()
+
+
+def test_train_threads_beyond_the_cpus_warn_and_use_the_cpus(caplog: pytest.LogCaptureFixture) -> None:
+    """A config's train.threads may come from a bigger machine: a warning, not an error, and not
+    the 100,000 OpenMP threads that crashed `mtx translate --threads`."""
+    from mtx.cli import usable_cpus
+
+    cpus = usable_cpus()
+    with caplog.at_level("WARNING", logger="mtx.train"):
+        assert train_module._thread_count(1) == 1 and not caplog.records
+        assert train_module._thread_count(100_000) == cpus
+    assert f"train.threads=100000 is more than the {cpus} CPUs here" in caplog.text
