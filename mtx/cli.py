@@ -21,6 +21,8 @@ from mtx.errors import MtxError, os_error_line
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
+    from tqdm import tqdm
+
     from mtx.config import Config
 
 log = logging.getLogger("mtx")
@@ -333,6 +335,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
         if args.buffer_lines < 1:
             raise MtxError(f"--buffer-lines must be >= 1, got {args.buffer_lines}")
         terminal = sys.stdin.isatty()
+        # a file or pipe in and out: a bar of the lines done on the terminal's stderr
+        show_bar = not terminal and not sys.stdout.isatty()
         chunks = stream_lines(sys.stdin.buffer, args.buffer_lines, "standard input", "the input")
     elif "-" in texts:
         raise MtxError("'-' (read standard input) cannot be mixed with TEXT arguments")
@@ -342,7 +346,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
                 text.encode("utf-8")
             except UnicodeEncodeError:  # undecodable argv bytes arrive as lone surrogates
                 raise MtxError(f"TEXT argument {i} is not valid UTF-8; re-encode it as UTF-8") from None
-        terminal, chunks = False, [(0, [t.strip() for t in texts])]
+        terminal, show_bar, chunks = False, False, [(0, [t.strip() for t in texts])]
     run = _load(args)
     beam, alpha, batch_tokens, workers, stop = _decode_settings(args, run.cfg.decode)
     if not 1 <= args.nbest <= beam:
@@ -351,27 +355,29 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if terminal:
         log.info("type a sentence and press Enter to translate it; Ctrl-D ends")
     out = sys.stdout
-    for before, lines in chunks:  # from standard input: each as soon as it has been read
-        hyps = translate_ids(
-            run.model,
-            run.src_tok.encode_batch(lines),
-            beam,
-            alpha,
-            dc.max_len_a,
-            dc.max_len_b,
-            batch_tokens,
-            nbest=args.nbest,
-            use_cache=not args.no_cache,
-            workers=workers,
-            stop=stop,
-        )
-        for i, h in enumerate(hyps, before):
-            if args.nbest == 1:
-                out.write(run.tgt_tok.decode_batch([h[0].tokens])[0] + "\n")
-            else:
-                for text, hyp in zip(run.tgt_tok.decode_batch([x.tokens for x in h]), h, strict=True):
-                    out.write(f"{i} ||| {text} ||| {hyp.score:.4f}\n")
-        out.flush()
+    with _progress_bar("translating", None, show_bar) as bar:
+        for before, lines in chunks:  # from standard input: each as soon as it has been read
+            hyps = translate_ids(
+                run.model,
+                run.src_tok.encode_batch(lines),
+                beam,
+                alpha,
+                dc.max_len_a,
+                dc.max_len_b,
+                batch_tokens,
+                nbest=args.nbest,
+                use_cache=not args.no_cache,
+                workers=workers,
+                stop=stop,
+                progress=bar.update,
+            )
+            for i, h in enumerate(hyps, before):
+                if args.nbest == 1:
+                    out.write(run.tgt_tok.decode_batch([h[0].tokens])[0] + "\n")
+                else:
+                    for text, hyp in zip(run.tgt_tok.decode_batch([x.tokens for x in h]), h, strict=True):
+                        out.write(f"{i} ||| {text} ||| {hyp.score:.4f}\n")
+            out.flush()
     return 0
 
 
@@ -423,19 +429,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if output.is_dir():
         raise MtxError(f"--output {output} is a directory; give the hypotheses file's path")
     output.parent.mkdir(parents=True, exist_ok=True)  # before decoding: a bad --output fails at once
-    text = translate(
-        run.model,
-        run.tgt_tok,
-        run.src_tok.encode_batch(src),
-        beam,
-        alpha,
-        cfg.decode.max_len_a,
-        cfg.decode.max_len_b,
-        batch_tokens,
-        use_cache=not args.no_cache,
-        workers=workers,
-        stop=stop,
-    )
+    with _progress_bar(f"decoding {name}", len(src)) as bar:
+        text = translate(
+            run.model,
+            run.tgt_tok,
+            run.src_tok.encode_batch(src),
+            beam,
+            alpha,
+            cfg.decode.max_len_a,
+            cfg.decode.max_len_b,
+            batch_tokens,
+            use_cache=not args.no_cache,
+            workers=workers,
+            stop=stop,
+            progress=bar.update,
+        )
     output.write_text("".join(t + "\n" for t in text), encoding="utf-8")
     scores = corpus_scores(text, ref, bootstrap=args.bootstrap)
     paired = paired_tests(text, others, ref, samples) if others else []
@@ -475,6 +483,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"(paired bootstrap, {samples} resamples: p is how often chance alone gives a difference as large)")
     print(f"hypotheses: {output}")
     return 0
+
+
+def _progress_bar(desc: str, total: int | None, show: bool = True) -> tqdm:
+    """A tqdm bar of sentences on stderr, where stderr is a terminal (a log file gets none) and
+    `show`; it leaves no line behind."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=" sent", leave=False, disable=None if show else True)
 
 
 def _interval(mean: float | None, ci: float | None) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -342,12 +343,14 @@ def translate_ids(
     use_cache: bool = True,
     workers: int = 0,
     stop: str = "exact",
+    progress: Callable[[int], object] | None = None,
 ) -> list[list[Hypothesis]]:
     """Decode many tokenised sentences (without EOS) in length-sorted batches; input order kept.
 
     Empty inputs give one empty hypothesis; inputs longer than the model's positions are
     truncated (with a warning). Batches are decoded on `workers` threads (0: auto, see
-    `decode_workers`); the hypotheses do not depend on it (tests/test_search.py).
+    `decode_workers`); the hypotheses do not depend on it (tests/test_search.py). `progress`,
+    where given, is called with each count of sentences done (a progress bar's `update`).
     """
     device = device or next(model.parameters()).device
     limit = model.cfg.max_positions - 1  # room for EOS
@@ -358,12 +361,20 @@ def translate_ids(
     results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] for _ in src_ids]
     todo = [i for i, s in enumerate(src_ids) if s]
     model.eval()
+    done_lock = threading.Lock()  # decoding threads report their progress one at a time
+    if progress is not None and len(todo) < len(src_ids):
+        progress(len(src_ids) - len(todo))  # the empty inputs
 
     def decode(batch: list[int]) -> list[list[Hypothesis]]:
         src = pad_ids([src_ids[todo[j]] for j in batch], suffix=EOS).to(device)
         if beam == 1:
-            return [[h] for h in greedy_search(model, src, max_len_a, max_len_b, use_cache)]
-        return beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, use_cache, stop)
+            hyps = [[h] for h in greedy_search(model, src, max_len_a, max_len_b, use_cache)]
+        else:
+            hyps = beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, use_cache, stop)
+        if progress is not None:
+            with done_lock:
+                progress(len(batch))
+        return hyps
 
     batches = _decode_batches([len(src_ids[i]) + 1 for i in todo], batch_tokens)
     for batch, hyps in zip(batches, in_workers(decode, batches, workers, device, model), strict=True):
@@ -421,8 +432,10 @@ def translate(
     use_cache: bool = True,
     workers: int = 0,
     stop: str = "exact",
+    progress: Callable[[int], object] | None = None,
 ) -> list[str]:
-    """1-best translations of token-id sentences as detokenised text, order kept.
+    """1-best translations of token-id sentences as detokenised text, order kept (`progress`:
+    as `translate_ids`).
 
     What `mtx eval`, validation during training and scripts/choose_on_val.py score, so all
     three turn ids into text the same way."""
@@ -439,5 +452,6 @@ def translate(
         use_cache=use_cache,
         workers=workers,
         stop=stop,
+        progress=progress,
     )
     return tgt_tok.decode_batch([h[0].tokens for h in hyps])

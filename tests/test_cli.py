@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.util
 import json
 import os
 import pty
 import select
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 from typing import IO
 
@@ -201,6 +204,45 @@ def test_translate_streams_standard_input(tiny_run: Path) -> None:
     finally:
         child.kill()
         os.close(controller)
+
+
+def test_eval_shows_a_progress_bar_on_a_terminal_only(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """stderr a terminal: a bar of the sentences decoded, cleared at the end; the scores on stdout
+    are those of a run without one (not a terminal: no bar)."""
+    args = ["eval", "--run", str(tiny_run), "--split", "val", "--beam", "1", "--json"]
+    assert main([*args, "--output", str(tmp_path / "a.en")]) == 0
+    plain = capsys.readouterr()
+    assert "decoding" not in plain.err
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # tqdm needs a width
+    command = [sys.executable, "-m", "mtx", *args, "--output", str(tmp_path / "b.en")]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=terminal, cwd=REPO, env=_child_env())
+    os.close(terminal)
+    shown = b""
+    try:
+        while chunk := _read_terminal(controller):
+            shown += chunk
+        assert child.wait(timeout=120) == 0
+        scores = json.loads(child.stdout.read())  # type: ignore[union-attr]
+    finally:
+        child.kill()
+        os.close(controller)
+    assert shown.startswith(b"\rdecoding val:   0%") and b"/200 [" in shown and shown.endswith(b" \r")  # cleared
+    assert {k: v for k, v in scores.items() if k != "hypotheses"} == {
+        k: v for k, v in json.loads(plain.out).items() if k != "hypotheses"
+    }
+
+
+def _read_terminal(controller: int) -> bytes:
+    """What the child wrote to its terminal since the last call; b"" once it has closed it."""
+    ready, _, _ = select.select([controller], [], [], 120)
+    assert ready, "the terminal stayed silent for 120 s"
+    try:
+        return os.read(controller, 65536)
+    except OSError:  # Linux: EIO once the child's side is closed
+        return b""
 
 
 def test_paths_that_cannot_be_written_are_one_line_errors(tmp_path: Path, small_data: Path, tiny_run: Path) -> None:

@@ -133,6 +133,16 @@ def test_decoding_threads_change_no_output(run: LoadedRun, src_ids: list[list[in
         assert torch.get_num_threads() == threads
 
 
+def test_progress_counts_every_sentence_once(tiny_run: Path) -> None:
+    """`progress` (a progress bar's update) hears of every input once, empty ones included, from
+    two decoding threads, and in batches: one report per batch."""
+    model = load_run(tiny_run).model
+    src_ids = [[5 + i % 7] * (1 + i % 9) for i in range(40)] + [[]]
+    reports: list[int] = []
+    translate_ids(model, src_ids, 1, 1.0, 1.2, 10, batch_tokens=60, workers=2, progress=reports.append)
+    assert sum(reports) == len(src_ids) and reports[0] == 1 and 2 < len(reports) < len(src_ids)
+
+
 def test_an_error_in_a_decoding_thread_stops_the_rest(tiny_run: Path) -> None:
     """An error (or Ctrl-C) while threads decode ends the call with that error; the batches not
     started yet are dropped rather than decoded first, and torch's thread count is restored."""
