@@ -94,11 +94,15 @@ def _not_utf8(source: str, line: int, what: str) -> DataError:
     return DataError(f"{source}: line {line} is not valid UTF-8; re-encode {what} as UTF-8")
 
 
+BOM = "\ufeff"  # the byte order mark some editors (Windows Notepad) put before UTF-8 text
+
+
 def text_lines(raw: bytes, source: str, what: str) -> list[str]:
     """UTF-8 bytes -> stripped lines (a last newline ends the last line, it does not start an
-    empty one); bytes that are not UTF-8 are a `DataError` naming `source` and the line."""
+    empty one; a byte order mark before the first is dropped: `str.strip` keeps it); bytes that
+    are not UTF-8 are a `DataError` naming `source` and the line."""
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").removeprefix(BOM)
     except UnicodeDecodeError as e:
         raise _not_utf8(source, raw[: e.start].count(b"\n") + 1, what) from None
     lines = text.split("\n")
@@ -137,9 +141,10 @@ def stream_lines(stream: BinaryIO, chunk: int, source: str, what: str) -> Iterat
     before = 0
     for number, (raw, more) in enumerate(_raw_lines(stream), 1):
         try:
-            lines.append(raw.decode("utf-8").strip())
+            line = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise _not_utf8(source, number, what) from None
+        lines.append((line.removeprefix(BOM) if number == 1 else line).strip())
         if len(lines) == chunk or not more:
             yield before, lines
             before, lines = number, []

@@ -80,6 +80,8 @@ def test_text_lines_keeps_inner_empty_lines_and_names_the_source() -> None:
     # an inner empty line stays (read_lines then refuses it in data files)
     assert text_lines(b" a \r\n\nb", "standard input", "the input") == ["a", "", "b"]
     assert text_lines(b"", "standard input", "the input") == []
+    # a byte order mark before the first line (Windows Notepad's UTF-8) is not part of it
+    assert text_lines("\ufeffEin Hund.\nb".encode(), "x", "the file") == ["Ein Hund.", "b"]
     with pytest.raises(DataError, match=r"^standard input: line 2 is not valid UTF-8; re-encode the input as UTF-8$"):
         text_lines(b"ok\n\xff\n", "standard input", "the input")
 
@@ -87,9 +89,10 @@ def test_text_lines_keeps_inner_empty_lines_and_names_the_source() -> None:
 @pytest.mark.parametrize("chunk", [1, 2, 3, 10])
 def test_stream_lines_chunks_what_text_lines_reads(chunk: int) -> None:
     """`mtx translate`'s standard input: the lines of `text_lines`, in chunks, numbered across them."""
-    raw = " a \r\n\nb\nc d\n e"
+    raw = "\ufeff a \r\n\nb\nc d\n e"
     chunks = list(stream_lines(io.BytesIO(raw.encode()), chunk, "standard input", "the input"))
     assert [line for _, lines in chunks for line in lines] == text_lines(raw.encode(), "standard input", "the input")
+    assert chunks[0][1][0] == "a"  # without the byte order mark
     assert [len(lines) for _, lines in chunks[:-1]] == [chunk] * (len(chunks) - 1)
     assert [before for before, _ in chunks] == list(range(0, 5, chunk))
     assert list(stream_lines(io.BytesIO(b""), chunk, "standard input", "the input")) == []
