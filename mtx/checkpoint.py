@@ -213,8 +213,9 @@ def saved_output_ids(ckpt: dict[str, Any], path: Path, cfg: Config) -> torch.Ten
 def check_direction(ckpt: dict[str, Any], path: Path, cfg: Config) -> None:
     """One-line error when a checkpoint was trained for another language pair or direction than
     the run's (a joint vocabulary would load it without complaint and decode the wrong way)."""
-    data = ckpt.get("config", {}).get("data", {})
-    saved = data.get("src_lang"), data.get("tgt_lang")
+    config = ckpt.get("config")
+    data = config.get("data") if isinstance(config, dict) else None
+    saved = (data.get("src_lang"), data.get("tgt_lang")) if isinstance(data, dict) else (None, None)
     run = cfg.data.src_lang, cfg.data.tgt_lang
     if None not in saved and saved != run:
         raise CheckpointError(
@@ -301,6 +302,11 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
         raise CheckpointError(f"--last must be >= 1, got {last}")
     chosen = steps[-last:]
     out = out or checkpoint_dir(run_dir) / f"average_last{len(chosen)}.pt"
+    if _training_file(out, run_dir):
+        raise CheckpointError(
+            f"--out {out}: training writes and reads that file; write the average elsewhere "
+            "(the default, or --as-best to make it best.pt while keeping the best single checkpoint)"
+        )
     payload = average_checkpoints(chosen)
     cfg = load_run_config(run_dir)
     src_tok, tgt_tok = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
@@ -310,6 +316,18 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
     if as_best:
         make_best(run_dir, payload)
     return out, chosen
+
+
+def _training_file(path: Path, run_dir: Path) -> bool:
+    """Whether `path` is one of the checkpoints training keeps (best, last, ema, step_N and
+    best.pt's bookkeeping), which an average must not replace."""
+    ckpts = checkpoint_dir(run_dir)
+    if not (path.parent.is_dir() and ckpts.is_dir() and path.parent.samefile(ckpts)):
+        return False
+    name = path.name
+    return name in ("last.pt", "ema.pt", BEST, BEST_SINGLE, BEST_AVERAGE) or (
+        name.startswith("step_") and name.endswith(".pt")
+    )
 
 
 # best.pt is training's best single checkpoint, unless `make_best` put a chosen average there:

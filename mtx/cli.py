@@ -392,7 +392,37 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hypotheses_name(args: argparse.Namespace, split: str, beam: int, stop: str, cfg: Config) -> str:
+    """`eval`'s default hypotheses file: SPLIT.beamN.LANG for the run's own checkpoint in fp32; the
+    checkpoints given, the inexact stop and bf16 add their tags, so those outputs do not replace it."""
+    tags = []
+    if args.checkpoint:
+        stems = "+".join(path.name.removesuffix(".pt") for path in args.checkpoint)
+        tags.append(stems if len(stems) <= 100 else f"ensemble{len(args.checkpoint)}")
+    tags.append(f"beam{beam}")
+    if beam > 1 and stop == "finished":
+        tags.append("finished")
+    if _precision(args, cfg) != "fp32":
+        tags.append(_precision(args, cfg))
+    return ".".join([split, *tags, cfg.data.tgt_lang])
+
+
+def _check_output(output: Path, inputs: dict[str, list[Path | None]]) -> None:
+    """Before decoding, so that a bad output path fails at once: `output` must be a file path in a
+    writable directory (created if missing), and none of the files this command reads."""
+    if output.is_dir():
+        raise MtxError(f"--output {output} is a directory; give the hypotheses file's path")
+    for option, paths in inputs.items():
+        for path in paths:
+            if path is not None and output.exists() and path.exists() and output.samefile(path):
+                raise MtxError(f"the hypotheses file {output} is the {option} file; pass --output with another path")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(output.parent, os.W_OK | os.X_OK):
+        raise MtxError(f"--output {output}: cannot write to {output.parent}")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
+    from mtx.checkpoint import atomic_write_text
     from mtx.data import eval_split_files, read_lines, read_parallel
     from mtx.evaluate import MAX_RESAMPLED, MIN_BOOTSTRAP, PAIRED_SAMPLES, corpus_scores, paired_tests
     from mtx.search import translate
@@ -424,11 +454,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for path, lines in others:
         if len(lines) != len(src):
             raise MtxError(f"--paired {path}: {len(lines)} lines for the {len(src)} sentences of {name}")
-    stop_tag = ".finished" if beam > 1 and stop == "finished" else ""  # the exact stop's file stays as it was
-    output = args.output or args.run / "eval" / f"{name}.beam{beam}{stop_tag}.{cfg.data.tgt_lang}"
-    if output.is_dir():
-        raise MtxError(f"--output {output} is a directory; give the hypotheses file's path")
-    output.parent.mkdir(parents=True, exist_ok=True)  # before decoding: a bad --output fails at once
+    output = args.output or args.run / "eval" / _hypotheses_name(args, name, beam, stop, cfg)
+    _check_output(output, {"--paired": args.paired, "--src": [args.src], "--ref": [args.ref]})
     with _progress_bar(f"decoding {name}", len(src)) as bar:
         text = translate(
             run.model,
@@ -444,7 +471,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             stop=stop,
             progress=bar.update,
         )
-    output.write_text("".join(t + "\n" for t in text), encoding="utf-8")
+    atomic_write_text(output, "".join(t + "\n" for t in text))
     scores = corpus_scores(text, ref, bootstrap=args.bootstrap)
     paired = paired_tests(text, others, ref, samples) if others else []
     result: dict[str, object] = {
@@ -466,8 +493,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
+    stop_note = ", stop finished" if beam > 1 and stop == "finished" else ""
     print(
-        f"{name} {result['direction']} beam {beam}{', stop ' + stop if stop_tag else ''}, {result['precision']} "
+        f"{name} {result['direction']} beam {beam}{stop_note}, {result['precision']} "
         f"({len(src)} sentences, {', '.join(map(str, run.checkpoints))})"
     )
     print(f"BLEU {scores.bleu:6.2f}{_interval(scores.bleu_mean, scores.bleu_ci)}  {scores.bleu_signature}")

@@ -182,6 +182,7 @@ _POSITIVE = {
     "train.batch_tokens",
     "train.accum_steps",
     "train.lr",
+    "train.adam_eps",
     "train.log_every",
     "train.eval_every",
     "train.max_bad_steps",
@@ -246,6 +247,11 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, str):  # YAML 1.1 reads 1e4 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise bad from None
         if isinstance(value, float) and value.is_integer():
             return int(value)
         raise bad
@@ -265,6 +271,11 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, bool):  # YAML 1.1 reads no, yes, on, off, n, y as booleans
+            raise ConfigError(
+                f"{where}: {key} must be a string, got {value!r}; YAML reads an unquoted no/yes/on/off as "
+                f'true or false, so quote it (e.g. {key.rpartition(".")[2]}: "no")'
+            )
         raise bad
     raise bad
 
@@ -416,6 +427,11 @@ def validate(cfg: Config, where: str = "config") -> None:
     if cfg.train.dropout_warmup and cfg.train.compile:
         raise ConfigError(
             f"{where}: train.dropout_warmup needs train.compile: false (each new dropout rate recompiles the model)"
+        )
+    if cfg.decode.max_len_a == 0 and cfg.decode.max_len_b < 2:
+        raise ConfigError(
+            f"{where}: decode.max_len_a 0 and decode.max_len_b {cfg.decode.max_len_b:g} leave room for EOS only, so "
+            "every translation would be empty; raise them (the shipped configs use 1.2 and 10)"
         )
     if cfg.data.max_len + 2 > m.max_positions:
         raise ConfigError(

@@ -10,6 +10,7 @@ import gzip
 import logging
 import os
 import select
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +81,7 @@ def read_lines(path: str | Path, allow_empty: bool = False) -> list[str]:
             raw = gzip.decompress(raw)
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+    except (OSError, EOFError, zlib.error) as e:  # zlib.error: damaged compressed data behind a good header
         raise DataError(f"{path}: cannot read ({e})") from None
     lines = text_lines(raw, str(path), "the file")
     if not allow_empty:

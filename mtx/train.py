@@ -73,8 +73,18 @@ def pick_device(name: str, key: str = "train.device") -> torch.device:
         device = torch.device(name)
     except RuntimeError:
         raise MtxError(f"{key}: unknown device {name!r} (use auto, cpu, cuda, cuda:N or mps)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise MtxError(f"{key}: cuda requested but no CUDA device is available (use auto or cpu)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MtxError(f"{key}: cuda requested but no CUDA device is available (use auto or cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise MtxError(
+                f"{key}: {name} but this machine has {torch.cuda.device_count()} CUDA device(s), "
+                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+            )
+    elif device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise MtxError(f"{key}: mps requested but this machine has no usable MPS device (use auto or cpu)")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise MtxError(f"{key}: unsupported device {name!r} (use auto, cpu, cuda, cuda:N or mps)")
     return device
 
 
@@ -729,9 +739,32 @@ class Trainer:
         self.epoch_ids: tuple[int, ParallelIds] | None = None  # (epoch, its BPE-dropout segmentation)
         self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
         self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
+        if cfg.data.valid_split == cfg.data.train_split and ranks.is_main:
+            log.warning(
+                "data.valid_split is the training split (%r): val loss and BLEU measure the training data, "
+                "and best.pt, patience and choices made on them will favour overfitting",
+                cfg.data.train_split,
+            )
         n_val = tc.eval_sentences or len(valid_src)
         self.valid_refs = valid_tgt[:n_val]
         self.valid_ids = ParallelIds.encode(valid_src[:n_val], self.valid_refs, self.src_tok, self.tgt_tok)
+        # the val loss is over the pairs the model's positions hold (EOS or BOS added to each side);
+        # BLEU is over all of them, longer sources truncated as `mtx translate` does
+        longest = np.maximum(self.valid_ids.src_lens, self.valid_ids.tgt_lens)  # EOS / BOS included
+        self.valid_loss_rows = np.flatnonzero(longest <= cfg.model.max_positions)
+        if not len(self.valid_loss_rows):
+            raise MtxError(
+                f"every val pair is longer than model.max_positions ({cfg.model.max_positions}) allows "
+                f"(the shortest needs {int(longest.min())} positions); raise model.max_positions"
+            )
+        if len(self.valid_loss_rows) < len(self.valid_ids) and ranks.is_main:
+            log.warning(
+                "%d of %d val pairs are longer than model.max_positions (%d) allows and are left out of the val "
+                "loss (val BLEU translates them, truncated)",
+                len(self.valid_ids) - len(self.valid_loss_rows),
+                len(self.valid_ids),
+                cfg.model.max_positions,
+            )
         self.data_dir = data_dir
 
         output_ids = self.train_ids.target_vocabulary() if cfg.model.restrict_output else None
@@ -875,7 +908,8 @@ class Trainer:
         self.model.load_state_dict(ckpt["model"])
         try:
             self.optimizer.load_state_dict(ckpt["optimizer"])
-            self.scaler.load_state_dict(ckpt["scaler"])
+            if ckpt["scaler"]:  # empty when saved without fp16: a run resumed in fp16 starts a fresh scaler
+                self.scaler.load_state_dict(ckpt["scaler"])
             self.state = TrainState(**ckpt["state"])
             if "epoch_ids" in ckpt and self.cfg.tokenizer.bpe_dropout:
                 saved = dict(ckpt["epoch_ids"])
@@ -919,8 +953,9 @@ class Trainer:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(record, dict) and record.get("step", 0) <= self.state.step:
-                kept.append(line + "\n")
+            step = record.get("step", 0) if isinstance(record, dict) else None
+            if isinstance(step, (int, float)) and not isinstance(step, bool) and step <= self.state.step:
+                kept.append(line + "\n")  # (a line without a numeric step goes, like a torn one)
         ckpt_io.atomic_write_text(path, "".join(kept))
 
     def _save_step_and_best(self, bleu: float) -> None:
@@ -1163,8 +1198,11 @@ class Trainer:
         """Teacher-forced val loss (no smoothing) and greedy val BLEU/chrF as `mtx eval` scores."""
         self.model.eval()
         loss_sum, n_tokens = 0.0, 0
-        for indices in plan_batches(self.valid_ids.src_lens, self.valid_ids.tgt_lens, self.cfg.train.batch_tokens):
-            batch = self.valid_ids.batch(indices).to(self.device)
+        rows = self.valid_loss_rows
+        for indices in plan_batches(
+            self.valid_ids.src_lens[rows], self.valid_ids.tgt_lens[rows], self.cfg.train.batch_tokens
+        ):
+            batch = self.valid_ids.batch(rows[indices]).to(self.device)
             with autocast(self.device, self.amp):
                 loss_sum += label_smoothed_loss(self.model, batch, 0.0).item()
             n_tokens += batch.n_tgt_tokens
@@ -1387,7 +1425,7 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
         same_start = (
             not any(ckpt_io.checkpoint_dir(run_dir).glob("*.pt"))
             and config_path.is_file()
-            and config_path.read_text(encoding="utf-8") == config_text(cfg)
+            and config_path.read_text(encoding="utf-8", errors="replace") == config_text(cfg)
         )
         if not same_start and not config_path.is_file():
             raise MtxError(f"{run_dir}: directory holds other files, not an mtx run; choose a new or empty --run-dir")
@@ -1458,7 +1496,7 @@ def init_source(cfg: Config) -> tuple[Path, Path] | None:
     against `cfg` without writing anything; None when it is not set."""
     if not cfg.train.init_from:
         return None
-    path = Path(cfg.train.init_from)
+    path = Path(cfg.train.init_from).expanduser()
     if path.is_dir():
         run_dir = path
         candidates = [ckpt_io.checkpoint_dir(path) / name for name in ("best.pt", "last.pt")]
@@ -1521,7 +1559,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
         with StopRequest() as stop:
             try:
                 trainer = Trainer(cfg, run_dir, resume, corpus, ranks, extra_texts)
-            except MtxError:  # a setup error (bad data for this config): leave no half-made run behind
+            except BaseException:  # a setup error (bad data for this config), or Ctrl-C: leave no half-made run behind
                 failed_start = new_dir and ranks.is_main
                 raise
             if resume and ranks.is_main:  # record --set changes, now that the checkpoint has been restored

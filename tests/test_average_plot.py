@@ -96,6 +96,23 @@ def test_average_and_translate_with_a_restricted_output(tiny_restricted_run: Pat
     assert main(["translate", "--run", str(run), "Ein Hund läuft."]) != 0  # one-line error, no traceback
 
 
+@pytest.mark.parametrize("name", ["best.pt", "last.pt", "step_200.pt", "best_single.pt"])
+def test_average_never_writes_over_a_checkpoint_training_keeps(
+    run_copy: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out naming best.pt, last.pt or a step checkpoint replaced it with the average (with --as-best
+    the real best single checkpoint was lost too): a one-line error, and nothing changes."""
+    ckpts = run_copy / "checkpoints"
+    before = {p.name: p.read_bytes() for p in ckpts.iterdir()}
+    assert main(["average", "--run", str(run_copy), "--last", "2", "--out", str(ckpts / name), "--as-best"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"mtx: error: --out {ckpts / name}: training writes and reads that file; write the average elsewhere "
+        "(the default, or --as-best to make it best.pt while keeping the best single checkpoint)"
+    )
+    assert {p.name: p.read_bytes() for p in ckpts.iterdir()} == before
+
+
 def test_average_refuses_checkpoints_of_another_run(run_copy: Path, tmp_path: Path) -> None:
     steps = step_checkpoints(run_copy)
     other = load_checkpoint(steps[-1])

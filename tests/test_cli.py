@@ -9,6 +9,7 @@ import json
 import os
 import pty
 import select
+import shutil
 import struct
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from typing import IO
 import pytest
 import torch
 
-from mtx.cli import int_in, main, usable_cpus
+from mtx.cli import _hypotheses_name, build_parser, int_in, main, usable_cpus
+from mtx.config import load_config
 
 from .conftest import REPO, FakeMulti30k, tiny_args
 
@@ -270,6 +272,64 @@ def test_translate_errors_on_a_finished_run(tiny_run: Path) -> None:
     assert_one_line_error(mtx("eval", "--run", str(tiny_run), "--split", "nosuch"), "nosuch")
     bad_device = mtx("eval", "--run", str(tiny_run), "--device", "nosuch")
     assert_one_line_error(bad_device, "--device: unknown device 'nosuch'")
+
+
+def test_eval_never_writes_over_a_file_it_reads_or_another_systems_hypotheses(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default hypotheses file names the checkpoints given, so a checkpoint compared through
+    --paired with the run's own eval keeps both files (before, both were val.beam1.en: the
+    other system's file was overwritten after it was read). A hypotheses file that is one of the
+    command's inputs, or in a directory that cannot be written, is a one-line error before decoding."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    common = ["eval", "--run", str(run), "--split", "val", "--beam", "1", "--device", "cpu", "--json"]
+    assert main(common) == 0
+    own = run / "eval" / "val.beam1.en"
+    first = own.read_bytes()
+    assert main([*common, "--checkpoint", str(run / "checkpoints" / "step_100.pt"), "--paired", str(own)]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["hypotheses"] == str(run / "eval" / "val.step_100.beam1.en") and len(result["paired"]) == 1
+    assert own.read_bytes() == first
+
+    def refused(args: list[str], message: str) -> None:
+        monkeypatch.setattr("mtx.search.translate", lambda *a, **k: pytest.fail("decoded before the check"))
+        assert main(args) == 1
+        assert capsys.readouterr().err.strip() == f"mtx: error: {message}"
+        monkeypatch.undo()
+
+    refused(
+        [*common, "--paired", str(own)],
+        f"the hypotheses file {own} is the --paired file; pass --output with another path",
+    )
+    src, ref = tmp_path / "val.de", tmp_path / "val.en"
+    src.write_text("Ein Hund.\n")
+    ref.write_text("A dog.\n")
+    plain = [c for c in common if c not in ("--split", "val")]
+    refused(
+        [*plain, "--src", str(src), "--ref", str(ref), "--output", str(ref)],
+        f"the hypotheses file {ref} is the --ref file; pass --output with another path",
+    )
+    assert own.read_bytes() == first and ref.read_text() == "A dog.\n"
+    monkeypatch.setattr(os, "access", lambda *a: False)  # (a read-only directory; root may write any other)
+    refused(
+        [*common, "--output", str(tmp_path / "out" / "h.en")],
+        f"--output {tmp_path / 'out' / 'h.en'}: cannot write to {tmp_path / 'out'}",
+    )
+
+
+def test_eval_names_hypotheses_by_checkpoint_stop_and_precision() -> None:
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+
+    def name(*argv: str) -> str:
+        args = build_parser().parse_args(["eval", "--run", "r", *argv])
+        return _hypotheses_name(args, "val", args.beam or 1, args.stop or "exact", cfg)
+
+    assert name() == "val.beam1.en"
+    assert name("--beam", "5", "--stop", "finished", "--precision", "bf16") == "val.beam5.finished.bf16.en"
+    assert name("--beam", "1", "--stop", "finished") == "val.beam1.en"  # greedy has no stop to name
+    assert name("--checkpoint", "a/step_7.pt", "--checkpoint", "b/avg.pt") == "val.step_7+avg.beam1.en"
+    assert name(*["--checkpoint", "c/" + "x" * 60 + ".pt"] * 2) == "val.ensemble2.beam1.en"
 
 
 def test_eval_and_translate_in_bf16(tiny_run: Path, tmp_path: Path) -> None:

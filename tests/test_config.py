@@ -77,6 +77,9 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("train: [1, 2]\n", "section train must be a mapping"),
         ("- a\n- b\n", "top level must be a mapping"),
         ("train:\n  max_steps: [1\n", "malformed YAML at line"),
+        ("train:\n  adam_eps: 0\n", r"train.adam_eps must be > 0"),  # Adam's 0/0 on a zero gradient
+        ("decode:\n  max_len_a: 0\n  max_len_b: 1\n", "leave room for EOS only, so every translation would be empty"),
+        ("data:\n  src_lang: no\n", r'data.src_lang must be a string, got False; .* quote it \(e.g. src_lang: "no"\)'),
     ],
 )
 def test_bad_values_are_one_line_errors(tmp_path: Path, text: str, pattern: str) -> None:
@@ -95,6 +98,10 @@ def test_overrides_convert_to_field_types() -> None:
     assert cfg.train.max_steps == 7 and cfg.train.lr == 1e-3 and cfg.model.pre_norm is False
     assert cfg.train.adam_betas == (0.9, 0.99)
     assert load_config(None, ["train.lr=1"]).train.lr == 1.0  # int -> float
+    # YAML 1.1 reads 1e4 as a string; as for floats, an integer key takes it when it is whole
+    assert load_config(None, ["train.max_steps=1e4"]).train.max_steps == 10_000
+    with pytest.raises(ConfigError, match="train.max_steps must be an integer, got '1e-1'"):
+        load_config(None, ["train.max_steps=1e-1"])
     with pytest.raises(ConfigError, match="train.clip_norm must be a finite number, got 'inf'"):
         load_config(None, ["train.clip_norm=inf"])
 

@@ -129,6 +129,28 @@ def test_train_resume_and_decode_on_cuda(tmp_path: Path, small_data: Path, amp: 
     assert json.loads(r.stdout)["bleu"] == pytest.approx(scores["cuda"], abs=2.0)
 
 
+def test_a_cpu_run_resumes_on_cuda_in_fp16(tmp_path: Path, small_data: Path) -> None:
+    """A run saved without fp16 (here on the CPU in fp32) holds an empty loss-scaler state, which an
+    fp16 run's scaler refused to load: the resume failed (stop 51). It now starts a fresh scaler;
+    a device this machine lacks is a one-line error before anything is written."""
+    run_dir = tmp_path / "run"
+    steps = ["--set", "train.max_steps=20", "--set", "train.eval_every=20", "--set", "train.device=cpu"]
+    r = mtx(*tiny_args(small_data, run_dir, "--set", "train.amp=fp32", *steps))
+    assert r.returncode == 0, r.stderr.decode()
+    on_gpu = ["--set", "train.max_steps=40", "--set", "train.device=cuda", "--set", "train.amp=fp16"]
+    r = mtx("train", "--run-dir", str(run_dir), "--resume", *on_gpu)
+    assert r.returncode == 0, r.stderr.decode()
+    ckpt = torch.load(run_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    assert ckpt["state"]["step"] == 40 and ckpt["scaler"]["scale"] > 0
+    assert "device cuda, precision float16," in (run_dir / "train.log").read_text()
+    count = torch.cuda.device_count()
+    r = mtx("train", "--run-dir", str(run_dir), "--resume", "--set", f"train.device=cuda:{count}")
+    assert r.returncode == 1 and r.stderr.decode().strip() == (
+        f"mtx: error: train.device: cuda:{count} but this machine has {count} CUDA device(s), "
+        f"cuda:0 to cuda:{count - 1}"
+    ), r.stderr.decode()
+
+
 def test_compiled_training_on_cuda(tmp_path: Path, small_data: Path) -> None:
     run_dir = tmp_path / "run"
     steps = ["--set", "train.max_steps=40", "--set", "train.eval_every=40", "--set", "train.compile=true"]

@@ -69,6 +69,18 @@ def test_data_errors(tmp_path: Path) -> None:
     (tmp_path / "val.en").write_text("")
     with pytest.raises(DataError, match="empty"):
         load_corpus(tmp_path, cfg, ["val"])
+    whole = gzip.compress(b"Ein Hund rennt durch das Gras.\n" * 50)
+    (tmp_path / "train.en").unlink()
+    (tmp_path / "train.en.gz").write_bytes(whole[: len(whole) // 2])  # cut short: EOFError
+    with pytest.raises(DataError, match=r"train.en.gz: cannot read \(Compressed file ended"):
+        load_corpus(tmp_path, cfg, ["train"])
+    damaged = bytearray(whole)
+    damaged[10] = 0xFF  # a good header, then damaged compressed data: zlib.error, not an OSError
+    (tmp_path / "train.en.gz").write_bytes(bytes(damaged))
+    with pytest.raises(
+        DataError, match=r"train.en.gz: cannot read \(Error -3 while decompressing data: invalid block type"
+    ):
+        load_corpus(tmp_path, cfg, ["train"])
 
 
 def test_read_lines_strips_and_keeps_count(tmp_path: Path) -> None:

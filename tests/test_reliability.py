@@ -5,8 +5,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import math
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -19,10 +21,11 @@ import pytest
 import torch
 
 from mtx import train as train_module
-from mtx.checkpoint import FORMAT_VERSION, load_checkpoint
+from mtx.checkpoint import FORMAT_VERSION, check_direction, load_checkpoint, load_run_config
 from mtx.cli import main
 from mtx.config import TokenizerConfig, load_config
 from mtx.data import ParallelIds, read_lines
+from mtx.errors import MtxError
 from mtx.tokenizer import train_bpe
 
 from .conftest import REPO, tiny_args
@@ -699,6 +702,101 @@ def test_a_failed_start_leaves_its_empty_directory_for_the_fixed_config(
     assert "raise data.max_len" in capsys.readouterr().err
     assert run.is_dir() and not any(run.iterdir())  # it was there, empty: it stays, empty
     assert main(mini_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_every=2")) == 0
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()], ids=["unexpected error", "Ctrl-C"])
+def test_any_failure_while_setting_up_leaves_no_half_made_run(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    """Not only mtx's own setup errors: anything that stops a new run before its first checkpoint
+    (here while building the model, after config.yaml and the tokenizer were written) removes what
+    it wrote; before, the corrected command was refused as "already holds a run" and --resume as
+    "nothing to resume"."""
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise error
+
+    monkeypatch.setattr(train_module.ckpt_io, "build_model", fail)
+    run = tmp_path / "run"
+    if isinstance(error, KeyboardInterrupt):
+        assert main(mini_args(mini_data, run)) == 130
+    else:
+        with pytest.raises(RuntimeError, match="boom"):
+            main(mini_args(mini_data, run))
+    assert not run.exists()
+    monkeypatch.undo()
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_every=2")) == 0
+
+
+def test_devices_this_machine_lacks_are_one_line_errors() -> None:
+    """torch.device accepts mps, meta or cuda:7 anywhere; they failed later with a traceback."""
+    cases = [("nosuch", "unknown device 'nosuch'"), ("meta", "unsupported device 'meta'")]
+    if not torch.backends.mps.is_available():
+        cases.append(("mps", "mps requested but this machine has no usable MPS device (use auto or cpu)"))
+    count = torch.cuda.device_count()
+    if count:
+        cases.append((f"cuda:{count}", f"cuda:{count} but this machine has {count} CUDA device(s)"))
+    else:
+        cases.append(("cuda:7", "cuda requested but no CUDA device is available"))
+    for name, message in cases:
+        with pytest.raises(MtxError, match=f"^--device: {re.escape(message)}"):
+            train_module.pick_device(name, "--device")
+    assert train_module.pick_device("cpu", "--device") == torch.device("cpu")
+
+
+def test_val_pairs_beyond_the_positions_are_left_out_of_the_val_loss(tmp_path: Path, mini_data: Path) -> None:
+    """Training pairs are held to data.max_len, val pairs were not: one longer than
+    model.max_positions allows crashed the val loss at the first validation (BLEU truncates its
+    source, as translate does). A val split that is the training split is warned about."""
+    run = tmp_path / "run"
+    extra = ["model.max_positions=20", "data.max_len=18", "data.valid_split=train", "train.eval_sentences=0"]
+    extra += ["train.max_steps=2", "train.eval_every=2"]
+    assert main(mini_args(mini_data, run, *[a for key in extra for a in ("--set", key)])) == 0
+    log = (run / "train.log").read_text()
+    assert "data.valid_split is the training split ('train'): val loss and BLEU measure the training data" in log
+    left_out = re.search(r"(\d+) of 400 val pairs are longer than model.max_positions \(20\) allows", log)
+    assert left_out and 0 < int(left_out.group(1)) < 400, log
+    valid = [e for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if e["event"] == "valid"]
+    assert valid and all(math.isfinite(e["val_loss"]) for e in valid)
+
+
+def test_a_run_saved_without_fp16_resumes_in_fp16(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disabled loss scaler saves an empty state, which an fp16 run's scaler refused to load, so
+    a CPU or bf16 run could not be resumed where train.amp gives fp16 (a GPU without bf16).
+    fp16 autocast is CUDA's; here the CPU stands in for it. The resume also drops a metrics line
+    whose step is not a number (it was a TypeError) and keeps the others."""
+    run = tmp_path / "run"
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_every=2")) == 0
+    assert load_checkpoint(run / "checkpoints" / "last.pt")["scaler"] == {}
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"event": "note", "step": "two"}\n[1, 2]\n')
+    monkeypatch.setattr(train_module, "amp_dtype", lambda device, amp: torch.float16)
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=4"]) == 0
+    assert load_checkpoint(run / "checkpoints" / "last.pt")["scaler"]["scale"] > 0
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(isinstance(e, dict) and isinstance(e.get("step"), int) for e in events)
+    assert max(e["step"] for e in events) == 4
+
+
+def test_hand_edited_run_files_are_read_without_a_traceback(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's config.yaml that is not UTF-8 (UnicodeDecodeError, not an OSError), a checkpoint
+    whose config is not a mapping (AttributeError), and `train.init_from: ~/...`, which was taken
+    literally while data.dir expanded ~."""
+    odd = tmp_path / "odd"
+    (odd / "checkpoints").mkdir(parents=True)
+    (odd / "config.yaml").write_bytes(b"\xff\xfe")
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    with pytest.raises(MtxError, match="already holds a run"):
+        train_module.check_run_dir(odd, cfg, resume=False)
+    for config in ([1, 2], {"data": "de-en"}):
+        check_direction({"config": config}, odd / "x.pt", cfg)  # nothing to check against: no error
+    monkeypatch.setenv("HOME", str(tiny_run.parent))
+    init = load_run_config(tiny_run, [f"train.init_from=~/{tiny_run.name}"])
+    assert train_module.init_source(init) == (tiny_run, tiny_run / "checkpoints" / "best.pt")
 
 
 def test_an_epoch_without_an_update_is_an_error_not_an_endless_loop(
