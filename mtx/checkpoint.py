@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import shutil
 import warnings
 import zipfile
 from collections.abc import Callable, Sequence
@@ -40,7 +41,7 @@ def step_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(paths, key=lambda p: int(p.stem.split("_", 1)[1]) if p.stem.split("_", 1)[1].isdigit() else -1)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -57,7 +58,7 @@ def clean_stale_tmp(directory: Path) -> list[Path]:
         return removed
     for path in directory.glob(".*.tmp.*"):
         pid = path.name.rsplit(".", 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
@@ -331,18 +332,46 @@ def _training_file(path: Path, run_dir: Path) -> bool:
 
 
 # best.pt is training's best single checkpoint, unless `make_best` put a chosen average there:
-# then training's is best_single.pt, which exists only while that is so
+# then training's is best_single.pt, which exists only while that is so. A chosen average that
+# leaves best.pt (a newer choice, the single restored, training's next best) is kept as
+# best_average.pt. best.pt itself is only ever replaced atomically, never moved away first, so
+# an interrupted or failed change leaves it whole.
 BEST, BEST_SINGLE, BEST_AVERAGE = "best.pt", "best_single.pt", "best_average.pt"
+
+
+def _keep_as(src: Path, dst: Path) -> None:
+    """Make `dst` a second name of `src` (a hard link: checkpoints are only ever replaced, never
+    written in place), or a copy where the filesystem has no hard links; atomically either way."""
+    tmp = dst.with_name(f".{dst.name}.tmp.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        with open(src, "rb") as f:
+            _atomic_write(dst, lambda out: shutil.copyfileobj(f, out))
+        return
+    os.replace(tmp, dst)
 
 
 def make_best(run_dir: Path, payload: dict[str, Any]) -> Path:
     """Write `payload` (an average) as the run's best.pt; the best single checkpoint that training
-    saved there is kept as best_single.pt, so nothing is lost."""
-    best = checkpoint_dir(run_dir) / BEST
-    single = checkpoint_dir(run_dir) / BEST_SINGLE
-    if best.is_file() and not single.exists():
-        os.replace(best, single)
-    atomic_save(payload, best)
+    saved there is kept as best_single.pt (an earlier chosen average there as best_average.pt), so
+    nothing is lost."""
+    ckpts = checkpoint_dir(run_dir)
+    best, single = ckpts / BEST, ckpts / BEST_SINGLE
+    new_single = False
+    if best.is_file():
+        if single.exists():  # best.pt holds an earlier chosen average
+            _keep_as(best, ckpts / BEST_AVERAGE)
+        else:
+            _keep_as(best, single)
+            new_single = True
+    try:
+        atomic_save(payload, best)
+    except BaseException:  # best.pt is unchanged: the single it holds has no second copy to keep
+        if new_single:
+            single.unlink(missing_ok=True)
+        raise
     return best
 
 
@@ -353,10 +382,13 @@ def best_single(run_dir: Path) -> Path:
 
 
 def restore_best_single(run_dir: Path) -> Path:
-    """Make training's best single checkpoint best.pt again (undo `make_best`)."""
-    best = checkpoint_dir(run_dir) / BEST
-    single = checkpoint_dir(run_dir) / BEST_SINGLE
+    """Make training's best single checkpoint best.pt again (undo `make_best`); the average that
+    held best.pt is kept as best_average.pt."""
+    ckpts = checkpoint_dir(run_dir)
+    best, single = ckpts / BEST, ckpts / BEST_SINGLE
     if single.is_file():
+        if best.is_file():
+            _keep_as(best, ckpts / BEST_AVERAGE)
         os.replace(single, best)
     return best
 
@@ -368,7 +400,7 @@ def save_new_best(run_dir: Path, payload: dict[str, Any]) -> Path | None:
     ckpts = checkpoint_dir(run_dir)
     kept = None
     if (ckpts / BEST_SINGLE).exists() and (ckpts / BEST).is_file():
-        os.replace(ckpts / BEST, ckpts / BEST_AVERAGE)
+        _keep_as(ckpts / BEST, ckpts / BEST_AVERAGE)
         kept = ckpts / BEST_AVERAGE
     atomic_save(payload, ckpts / BEST)
     (ckpts / BEST_SINGLE).unlink(missing_ok=True)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mtx import __version__
-from mtx.checkpoint import LoadedRun
+from mtx.checkpoint import LoadedRun, pid_alive
 from mtx.config import QUANTIZATIONS
 from mtx.errors import MtxError
 from mtx.model import Ensemble, ScaleNorm, Seq2Seq
@@ -116,6 +116,15 @@ def ctranslate2_spec(model: Seq2Seq, src_tok: BPE, tgt_tok: BPE) -> Any:
     return spec
 
 
+def _remove_dead_exports(directory: Path) -> None:
+    """Remove the staging directories (`.NAME.partial-PID`) of exports whose process is gone: a
+    kill -9, or a SIGTERM, which ends the process without unwinding its cleanup."""
+    for path in directory.glob(".*.partial-*"):
+        pid = path.name.rsplit("-", 1)[1]
+        if path.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float32") -> Path:
     """Write `run`'s model, tokenizers and an info file as a CTranslate2 model directory
     `out_dir`, which must not exist yet (or be empty)."""
@@ -132,7 +141,8 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
     spec = ctranslate2_spec(run.model, run.src_tok, run.tgt_tok)
     spec.optimize(quantization=quantization)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"  # replaces a killed export's leftover
+    _remove_dead_exports(out_dir.parent)
+    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:

@@ -61,6 +61,29 @@ def _events(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return events["train"], events["valid"]
 
 
+def run_labels(run_dirs: Sequence[Path]) -> list[str]:
+    """Each run's directory name, with as many parent directories as it takes to tell runs apart
+    (`a/base` and `b/base`, not `base` twice)."""
+    parts = [Path(r).resolve().parts for r in run_dirs]
+    depth = 1
+    while depth < max(len(p) for p in parts) and len({p[-depth:] for p in parts}) < len(parts):
+        depth += 1
+    return [str(Path(*p[-depth:])) for p in parts]
+
+
+def _validation_data(run_dir: Path) -> tuple[str, str, int] | None:
+    """(direction, val split, val sentences) of a run, from its config.yaml; None where unreadable."""
+    from mtx.config import load_config
+    from mtx.errors import ConfigError
+
+    try:
+        cfg = load_config(run_dir / "config.yaml")
+    except ConfigError:
+        return None
+    data = cfg.data
+    return f"{data.src_lang}->{data.tgt_lang}", data.valid_split, cfg.train.eval_sentences
+
+
 def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     """Write an image (PNG unless `out`'s suffix names another type) with train/val loss, val
     BLEU and learning rate of each run against update steps (`x="step"`) or minutes of training
@@ -82,14 +105,15 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     def xs(events: list[dict[str, Any]]) -> list[float]:
         return [e["step"] if x == "step" else e["elapsed_s"] / 60 for e in events]
 
+    labels = run_labels(run_dirs)
     fig, (ax_loss, ax_bleu, ax_lr) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
-    for i, (run_dir, train, valid) in enumerate(runs):
+    for i, (label, (_, train, valid)) in enumerate(zip(labels, runs, strict=True)):
         color = f"C{i % 10}"
-        name = "" if len(runs) == 1 else f"{run_dir.name}: "
+        name = "" if len(runs) == 1 else f"{label}: "
         train_label = f"{name}train loss (label-smoothed)"
         ax_loss.plot(xs(train), [e["loss"] for e in train], color=color, alpha=0.5, label=train_label)
         ax_loss.plot(xs(valid), [e["val_loss"] for e in valid], "o-", color=color, ms=3, label=f"{name}val loss")
-        ax_bleu.plot(xs(valid), [e["val_bleu"] for e in valid], "o-", color=color, ms=3, label=run_dir.name)
+        ax_bleu.plot(xs(valid), [e["val_bleu"] for e in valid], "o-", color=color, ms=3, label=label)
         ax_lr.plot(xs(train), [e["lr"] for e in train], color=color)
     ax_loss.set_ylabel("loss per target token")
     ax_loss.legend(fontsize="small")
@@ -134,9 +158,10 @@ def compare_runs(run_dirs: Sequence[Path]) -> list[str]:
         if not valid:
             raise MtxError(f"{run_dir}/metrics.jsonl holds no validation yet")
         valids.append(valid)
-    head = ["step", "min", run_dirs[0].name]
-    for run_dir in run_dirs[1:]:
-        head += [f"{run_dir.name} (same step)", "(same time: step)"]
+    labels = run_labels(run_dirs)
+    head = ["step", "min", labels[0]]
+    for label in labels[1:]:
+        head += [f"{label} (same step)", "(same time: step)"]
     rows = [head]
 
     def cell(e: dict[str, Any] | None) -> str:
@@ -152,4 +177,11 @@ def compare_runs(run_dirs: Sequence[Path]) -> list[str]:
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     title = "val loss / greedy val BLEU at each validation of the first run; min: minutes of training"
-    return [title] + ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    notes = []
+    data = {label: _validation_data(run_dir) for label, run_dir in zip(labels, run_dirs, strict=True)}
+    if len({d for d in data.values() if d is not None}) > 1:
+        described = "; ".join(
+            f"{label}: {d[0]}, {d[1]} ({'all' if not d[2] else d[2]} sentences)" for label, d in data.items() if d
+        )
+        notes.append(f"note: the runs validate on different data ({described}): their scores do not compare")
+    return [title, *notes] + ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]

@@ -347,7 +347,7 @@ def translate_ids(
 ) -> list[list[Hypothesis]]:
     """Decode many tokenised sentences (without EOS) in length-sorted batches; input order kept.
 
-    Empty inputs give one empty hypothesis; inputs longer than the model's positions are
+    Empty inputs give `nbest` empty hypotheses; inputs longer than the model's positions are
     truncated (with a warning). Batches are decoded on `workers` threads (0: auto, see
     `decode_workers`); the hypotheses do not depend on it (tests/test_search.py). `progress`,
     where given, is called with each count of sentences done (a progress bar's `update`).
@@ -358,7 +358,8 @@ def translate_ids(
     if truncated:
         log.warning("%d input sentence(s) longer than %d tokens were truncated (model.max_positions)", truncated, limit)
     src_ids = [list(s[:limit]) for s in src_ids]
-    results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] for _ in src_ids]
+    # an empty input's only translation is empty: `nbest` of it, so that every input gets as many
+    results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] * nbest for _ in src_ids]
     todo = [i for i, s in enumerate(src_ids) if s]
     model.eval()
     done_lock = threading.Lock()  # decoding threads report their progress one at a time

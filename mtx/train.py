@@ -1343,8 +1343,9 @@ class Trainer:
                 metrics.close()
         self.save()
         log.info(
-            "done: %s; best val BLEU %.2f at step %d; %.0f s of training",
+            "done: %s, at step %d; best val BLEU %.2f at step %d; %.0f s of training",
             stop_reason,
+            st.step,
             st.best_bleu,
             st.best_step,
             st.elapsed,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import hashlib
 import json
 import sys
 import time
@@ -162,16 +163,24 @@ def main() -> None:
     if args.precision == "bf16" and not native_bf16:
         parser.error("--precision bf16 needs a CPU with native bf16 (AVX-512 BF16 or AMX); this one emulates it")
 
+    if args.run is not None and args.overrides:
+        parser.error("--set changes the config of the run trained when --run is not given; a trained run is as it is")
+
     torch.set_num_threads(args.threads)
     run_dir = args.run
     if run_dir is None:
-        run_dir = Path("runs") / f"bench_decode_{Path(args.config).stem}"
+        # one run per config and overrides: another --set trains its own run instead of timing this one
+        tag = hashlib.sha1("\n".join(args.overrides).encode()).hexdigest()[:8] if args.overrides else ""
+        run_dir = Path("runs") / f"bench_decode_{Path(args.config).stem}{'_' + tag if tag else ''}"
         if not (run_dir / "checkpoints" / "best.pt").is_file():
             train_args = ["train", "--config", args.config, "--run-dir", str(run_dir)]
             for override in args.overrides:
                 train_args += ["--set", override]
-            if mtx_main(train_args) != 0:
-                raise SystemExit("training the benchmark run failed")
+            trained = mtx_main(train_args)
+            if trained == 130:
+                raise KeyboardInterrupt  # run_script's one line, exit code 130
+            if trained != 0:
+                raise SystemExit(f"training the benchmark run failed (exit code {trained}; its error is above)")
     run = load_run(run_dir)
     cfg = run.cfg
     n, id_batches = split_batches(run, args.split, args.sentences, args.batch_sentences)

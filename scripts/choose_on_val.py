@@ -1,6 +1,7 @@
 """Choose a run's final checkpoint and length penalty on val, never on a test split.
 
-Scores on the run's val split, with the run's beam size: the best single checkpoint, then the
+Scores on the run's validation split (data.valid_split, the one training validated on), with
+the run's beam size: the best single checkpoint, then the
 average of the last N step checkpoints for each N in `--last`, and the moving average of the
 weights (checkpoints/ema.pt, when trained with train.ema), and the ensemble of the last N step
 checkpoints for each N in `--ensemble` (decoded together, `mtx eval --checkpoint A --checkpoint B
@@ -121,12 +122,13 @@ def choose(args: argparse.Namespace) -> None:
     run = load_run(args.run, [single], device)
     cfg = run.cfg
     data_dir = Path(cfg.data.dir)
+    split = cfg.data.valid_split  # the split training validated on (`val` on Multi30k)
     src, refs = read_parallel(
-        split_file(data_dir, "val", cfg.data.src_lang), split_file(data_dir, "val", cfg.data.tgt_lang)
+        split_file(data_dir, split, cfg.data.src_lang), split_file(data_dir, split, cfg.data.tgt_lang)
     )
     src_ids = run.src_tok.encode_batch(src)
     alpha = cfg.decode.length_penalty
-    print(f"{args.run}: val, beam {cfg.decode.beam}, length penalty {alpha:g}")
+    print(f"{args.run}: {split}, beam {cfg.decode.beam}, length penalty {alpha:g}")
 
     texts: dict[tuple[str, float, int], list[str]] = {}  # (candidate, penalty, beam) -> val translations
 

@@ -70,6 +70,40 @@ def test_a_resumed_run_keeps_the_chosen_average_beside_its_new_best(tmp_path: Pa
     assert _read(ckpts / "best_single.pt")["step"] == 60  # the newer single, not step 40's
     assert restore_best_single(tmp_path) == ckpts / "best.pt" and _read(ckpts / "best.pt")["step"] == 60
     assert not (ckpts / "best_single.pt").exists() and save_new_best(tmp_path, {"step": 80}) is None
+    # the chosen average that restore_best_single took out of best.pt was kept (before, it was gone)
+    assert _read(ckpts / "best_average.pt")["averaged_from"] == ["step_50.pt", "step_60.pt"]
+    make_best(tmp_path, {"step": 80, "averaged_from": ["step_70.pt", "step_80.pt"]})
+    make_best(tmp_path, {"step": 80, "averaged_from": ["step_60.pt", "step_80.pt"]})  # a newer choice
+    assert _read(ckpts / "best_average.pt")["averaged_from"] == ["step_70.pt", "step_80.pt"]
+    assert _read(ckpts / "best_single.pt")["step"] == 80 and not list(ckpts.glob(".*"))
+
+
+def test_a_failed_or_interrupted_choice_leaves_best_pt_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """make_best moved best.pt to best_single.pt before writing the average: a full disk or Ctrl-C
+    during the write left no best.pt, and translate silently decoded with last.pt."""
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    atomic_save({"step": 40}, ckpts / "best.pt")
+
+    def full_disk(obj: object, f: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match="best.pt: cannot write .No space left on device.; the previous file is"):
+        make_best(tmp_path, {"step": 40, "averaged_from": ["step_30.pt", "step_40.pt"]})
+    monkeypatch.undo()
+    assert _read(ckpts / "best.pt") == {"step": 40} and sorted(p.name for p in ckpts.iterdir()) == ["best.pt"]
+    make_best(tmp_path, {"step": 40, "averaged_from": ["step_30.pt", "step_40.pt"]})
+
+    def interrupted(obj: object, f: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_new_best(tmp_path, {"step": 60})
+    monkeypatch.undo()
+    assert _read(ckpts / "best.pt")["averaged_from"] == ["step_30.pt", "step_40.pt"]  # whole, still the average
+    assert _read(ckpts / "best_single.pt") == {"step": 40}
 
 
 def test_average_of_more_than_the_kept_checkpoints_says_so(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -127,6 +161,27 @@ def test_plot_writes_a_png(run_copy: Path) -> None:
     out = run_copy / "curves.png"
     assert main(["plot", "--run", str(run_copy)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_choose_on_val_scores_the_split_training_validated_on(run_copy: Path, small_data: Path, tmp_path: Path) -> None:
+    """It read the split named `val` whatever data.valid_split said."""
+    data = tmp_path / "data"
+    shutil.copytree(small_data, data)
+    for lang in ("de", "en"):
+        lines = (data / f"val.{lang}").read_text().splitlines()[:6]
+        (data / f"dev.{lang}").write_text("".join(line + "\n" for line in lines))
+    config = run_copy / "config.yaml"
+    text = config.read_text()
+    assert "valid_split: val\n" in text
+    config.write_text(text.replace("valid_split: val\n", "valid_split: dev\n").replace(str(small_data), str(data)))
+    script = Path(__file__).resolve().parent.parent / "scripts" / "choose_on_val.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--run", str(run_copy), "--last", "2", "--length-penalty", "1.0"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{run_copy}: dev, beam ")
 
 
 def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run_copy: Path) -> None:
@@ -213,6 +268,29 @@ def test_compare_lines_runs_up_at_equal_steps_and_equal_time(tmp_path: Path, cap
     assert rows[1] == ["200", "0.7", "2.000", "/", "20.00", "2.500", "/", "20.00", "1.900", "/", "40.00", "(400)"]
     assert rows[2][-4:] == ["1.700", "/", "60.00", "(600)"]
     assert main(["compare", "--run", str(slow)]) == 1  # one run: nothing to compare
+
+
+def test_compare_tells_apart_runs_of_one_name_and_says_when_their_val_data_differ(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Columns were headed by the directory name alone (`base` twice), and runs of different
+    directions or val splits were set side by side as if their scores compared."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = fake_run(tmp_path / "a" / "base", 0.1, [3.0, 2.0])
+    second = fake_run(tmp_path / "b" / "base", 0.1, [3.0, 2.0])
+    (first / "config.yaml").write_text("data:\n  src_lang: de\n  tgt_lang: en\n")
+    (second / "config.yaml").write_text("data:\n  src_lang: en\n  tgt_lang: de\n")
+    assert main(["compare", "--run", str(first), "--run", str(second)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == (
+        "note: the runs validate on different data (a/base: de->en, val (all sentences); b/base: en->de, val "
+        "(all sentences)): their scores do not compare"
+    )
+    assert lines[2].split()[2:5] == ["a/base", "b/base", "(same"]
+    (second / "config.yaml").write_text("data:\n  src_lang: de\n  tgt_lang: en\n")
+    assert main(["compare", "--run", str(first), "--run", str(second)]) == 0
+    assert not capsys.readouterr().out.splitlines()[1].startswith("note:")
 
 
 def test_plot_draws_several_runs_against_time(tmp_path: Path) -> None:

@@ -146,6 +146,8 @@ def test_benchmarks_report_a_user_mistake_in_one_line(
         ("bench_decode.py", ["--threads", "100000"], "argument --threads: must be in 1.."),
         ("bench_ctranslate2.py", ["--run", ".", "--beam", "0"], "argument --beam: must be >= 1, got 0"),
         ("bench_train.py", ["--steps", "-2"], "argument --steps: must be >= 1, got -2"),
+        # --set configures the run trained without --run; it was ignored beside --run
+        ("bench_decode.py", ["--run", ".", "--set", "model.d_model=256"], "--set changes the config of the run"),
     ],
 )
 def test_benchmarks_refuse_counts_out_of_range_before_any_work(script: str, args: list[str], message: str) -> None:

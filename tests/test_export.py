@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -106,8 +108,16 @@ def test_exported_model_decodes_what_mtx_decodes(tiny_run: Path, small_data: Pat
 
 
 def test_export_command_and_its_refusals(tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # what a killed export leaves (SIGTERM and kill -9 skip its cleanup) goes; a running one's stays
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / f".old.partial-{gone.pid}").mkdir()
+    (tmp_path / f".old.partial-{gone.pid}" / "model.bin").write_bytes(b"x" * 1000)
+    (tmp_path / f".busy.partial-{os.getpid()}").mkdir()
     r = mtx("export", "--run", str(tiny_run), "--out", str(tmp_path / "ct2"), "--quantization", "int8")
     assert r.returncode == 0, r.stderr.decode()
+    assert [p.name for p in tmp_path.glob(".*partial*")] == [f".busy.partial-{os.getpid()}"]
+    (tmp_path / f".busy.partial-{os.getpid()}").rmdir()
     assert json.loads(r.stdout) == {"ctranslate2_model": str(tmp_path / "ct2"), "quantization": "int8"}
     written = sorted(p.name for p in (tmp_path / "ct2").iterdir())
     assert {"model.bin", "config.json", "source_tokenizer.json", "target_tokenizer.json", "mtx_export.json"} <= set(

@@ -754,6 +754,7 @@ def test_val_pairs_beyond_the_positions_are_left_out_of_the_val_loss(tmp_path: P
     assert main(mini_args(mini_data, run, *[a for key in extra for a in ("--set", key)])) == 0
     log = (run / "train.log").read_text()
     assert "data.valid_split is the training split ('train'): val loss and BLEU measure the training data" in log
+    assert "done: reached train.max_steps=2, at step 2; best val BLEU" in log  # where it ended, and the best
     left_out = re.search(r"(\d+) of 400 val pairs are longer than model.max_positions \(20\) allows", log)
     assert left_out and 0 < int(left_out.group(1)) < 400, log
     valid = [e for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if e["event"] == "valid"]

@@ -184,8 +184,9 @@ def test_cached_equals_uncached(run: LoadedRun, src_ids: list[list[int]], beam: 
 
 
 def test_nbest_sorted_and_first_is_one_best(run: LoadedRun, src_ids: list[list[int]]) -> None:
-    nbest = translate_ids(run.model, src_ids, 4, 1.0, 1.2, 10, 100_000, nbest=4)
-    best = translate_ids(run.model, src_ids, 4, 1.0, 1.2, 10, 100_000, nbest=1)
+    nbest = translate_ids(run.model, [[], *src_ids], 4, 1.0, 1.2, 10, 100_000, nbest=4)
+    best = translate_ids(run.model, [[], *src_ids], 4, 1.0, 1.2, 10, 100_000, nbest=1)
+    assert [h.tokens for h in nbest[0]] == [[]] * 4  # an empty input: K empty translations, as many as any
     for hyps, one in zip(nbest, best, strict=True):
         scores = [h.score for h in hyps]
         assert scores == sorted(scores, reverse=True) and len(hyps) == 4
