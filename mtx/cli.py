@@ -255,9 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from mtx.checkpoint import load_run_config
     from mtx.config import load_config
-    from mtx.train import Ranks, fit
 
     if args.resume:
         if args.run_dir is None:
@@ -266,11 +264,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise MtxError(
                 "--resume continues with the run's own config.yaml; drop --config (use --set to change keys)"
             )
+        from mtx.checkpoint import load_run_config
+
         cfg = load_run_config(args.run_dir, args.overrides)
     else:
         if args.config is None:
             raise MtxError("train needs --config FILE (e.g. configs/multi30k_de_en.yaml), or --run-dir DIR --resume")
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)  # before torch is imported: a config error in a blink
+    from mtx.train import Ranks, fit
+
     run_dir = args.run_dir or Path("runs") / args.config.stem
     state = fit(cfg, run_dir, resume=args.resume)
     if not Ranks.from_env().is_main:  # under torchrun only rank 0 reports

@@ -185,7 +185,8 @@ def download_multi30k(
     try:
         local = datasets.DownloadManager(dataset_name="multi30k").download(urls)
     except Exception as e:  # network errors come in many classes
-        raise DataError(f"cannot download Multi30k from {MULTI30K_SOURCE} ({e.__class__.__name__}); {fix}") from None
+        reason = e.__class__.__name__ + (": " + str(e).splitlines()[0][:120] if str(e).strip() else "")
+        raise DataError(f"cannot download Multi30k from {MULTI30K_SOURCE} ({reason}); {fix}") from None
     dest.mkdir(parents=True, exist_ok=True)
     for name, path in local.items():
         tmp = dest / f".{name}.{os.getpid()}.tmp"  # one per process: two fetching at once never share one
@@ -197,19 +198,63 @@ def download_multi30k(
     return dest
 
 
+def _needed(cfg: DataConfig) -> list[tuple[str, str]]:
+    """The (split, language) files training reads: train and val of every language it uses."""
+    langs = [cfg.src_lang, cfg.tgt_lang, *cfg.extra_src_langs]
+    return [(split, lang) for split in dict.fromkeys([cfg.train_split, cfg.valid_split]) for lang in langs]
+
+
+def _missing(folder: Path, files: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The (split, language) files of `files` that `folder` holds neither plain nor gzipped."""
+    return [
+        (s, lang) for s, lang in files if not any((folder / n).is_file() for n in (f"{s}.{lang}", f"{s}.{lang}.gz"))
+    ]
+
+
+def _names(files: Sequence[tuple[str, str]]) -> str:
+    return ", ".join(f"{split}.{lang}" for split, lang in files)
+
+
 def resolve_data_dir(cfg: DataConfig) -> Path:
-    """`data.dir`, or for "auto": $MTX_DATA_DIR, the shared local copy, the cache, a download."""
+    """`data.dir`, or for "auto" the first of: $MTX_DATA_DIR (which must then hold every file the
+    config reads), the shared local copy, the download cache, each used only when it holds them
+    all; else the files the cache lacks are downloaded into it (a cache that a failed or
+    interrupted download left half-filled is completed, not taken as it is)."""
     if cfg.dir != "auto":
         path = Path(cfg.dir).expanduser()
         if not path.is_dir():
             raise DataError(f"data.dir: directory {path} does not exist; set data.dir to a data dir")
         return path.resolve()
-    candidates = [Path(p) for p in [os.environ.get("MTX_DATA_DIR")] if p] + list(_SHARED_COPIES)
-    cache = multi30k_cache()
-    for path in [*candidates, cache]:
-        if (path / "train.en.gz").is_file() or (path / "train.en").is_file():
+    needed = _needed(cfg)
+    env = os.environ.get("MTX_DATA_DIR")
+    if env:
+        lacking = _missing(Path(env).expanduser(), needed)
+        if lacking:
+            raise DataError(
+                f"$MTX_DATA_DIR={env} lacks {_names(lacking)} (plain or .gz); point it at a directory that "
+                "holds them, or unset it"
+            )
+        return Path(env).expanduser().resolve()
+    for path in _SHARED_COPIES:
+        if not _missing(path, needed):
             return path.resolve()
-    return download_multi30k(cache).resolve()
+    cache = multi30k_cache()
+    lacking = _missing(cache, needed)
+    if not lacking:
+        return cache.resolve()
+    outside = [(s, lang) for s, lang in lacking if s not in MULTI30K_SPLITS or lang not in MULTI30K_LANGS]
+    if outside:
+        raise DataError(
+            f"data.dir auto finds Multi30k only ({', '.join(MULTI30K_SPLITS)} in {', '.join(MULTI30K_LANGS)}), "
+            f"not {_names(outside)}; set data.dir to a directory that holds them"
+        )
+    # a first download fetches every Multi30k file (other directions need no second one); a
+    # half-filled cache, only what it lacks
+    everything = [(split, lang) for split in MULTI30K_SPLITS for lang in MULTI30K_LANGS]
+    fetch = _missing(cache, everything) if cache.is_dir() and any(cache.iterdir()) else everything
+    places = f"$MTX_DATA_DIR, {_SHARED_COPIES[0] if _SHARED_COPIES else '../shared/data/multi30k'} or {cache}"
+    fix = f"put {_names(lacking)} (.gz or plain) into {places}, or set data.dir to a local copy"
+    return download_multi30k(cache, fetch, fix).resolve()
 
 
 def eval_split_files(data_dir: Path, split: str, src_lang: str, tgt_lang: str) -> tuple[Path, Path]:

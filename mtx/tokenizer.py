@@ -63,9 +63,9 @@ class BPE:
     def load(cls, path: str | Path) -> BPE:
         try:
             return cls(Tokenizer.from_file(str(path)))
+        except CheckpointError as e:  # special tokens at other ids: name the file
+            raise CheckpointError(f"{path}: {e}") from None
         except Exception as e:  # tokenizers raises plain Exception on parse errors
-            if isinstance(e, CheckpointError):
-                raise
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
 
 
@@ -83,7 +83,17 @@ def train_bpe(texts: Iterable[str], cfg: TokenizerConfig) -> BPE:
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    log.info("trained BPE: %d pieces", tokenizer.get_vocab_size())
+    if tokenizer.get_vocab_size() < cfg.vocab_size:
+        log.warning(
+            "trained BPE: %d pieces, fewer than tokenizer.vocab_size=%d (the training text has no more merges "
+            "seen tokenizer.min_frequency=%d times); the model is built for %d",
+            tokenizer.get_vocab_size(),
+            cfg.vocab_size,
+            cfg.min_frequency,
+            tokenizer.get_vocab_size(),
+        )
+    else:
+        log.info("trained BPE: %d pieces", tokenizer.get_vocab_size())
     return BPE(tokenizer)
 
 

@@ -1530,8 +1530,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     Under torchrun (WORLD_SIZE > 1) every process runs this with the same arguments and trains
     one DDP replica; rank 0 alone writes the run directory and logs."""
     ranks = Ranks.from_env()
-    if not resume:
-        cfg = resolve_config(cfg)
+    cfg = resolve_config(cfg)  # on resume too: a --set data.dir is recorded as the directory used
     check_run_dir(run_dir, cfg, resume)
     existed = run_dir.is_dir()
     new_dir = not resume and not (existed and any(run_dir.iterdir()))  # this call writes all it holds
@@ -1540,7 +1539,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
         init_source(cfg)  # a bad train.init_from is an error before anything is written
     device = rank_device(cfg.train.device, ranks)
     amp_dtype(device, cfg.train.amp)
-    data_dir = resolve_data_dir(cfg.data)
+    data_dir = Path(cfg.data.dir)  # resolved above
     corpus = load_corpus(data_dir, cfg.data, [cfg.data.train_split, cfg.data.valid_split])
     extra_texts = extra_source_texts(data_dir, cfg.data)  # like the corpus: read before anything is written
     if ranks.world_size > 1:

@@ -205,6 +205,39 @@ def test_auto_data_downloads_multi30k_once_into_the_cache(multi30k_server: FakeM
     assert resolve_data_dir(DataConfig(dir="auto")) == cache.resolve() and len(fake.requested) == 12  # cached
 
 
+def test_auto_data_completes_a_half_filled_cache_and_names_what_it_lacks(
+    multi30k_server: FakeMulti30k, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A download stopped after some files (a full disk, Ctrl-C) left a cache that one present file
+    (train.en) passed as complete: every later run failed on a missing split and none fetched it.
+    A wrong $MTX_DATA_DIR was passed over silently, for other data."""
+    fake = multi30k_server
+    cache = tmp_path / "cache" / "mtx" / "multi30k"
+    cache.mkdir(parents=True)
+    (cache / "train.en.gz").write_bytes((fake.server / "train.en.gz").read_bytes())
+    (cache / "val.de").write_text("x\n")  # plain files count too
+    cfg = DataConfig(dir="auto")
+    with pytest.raises(DataError) as e:  # the fake serves de and en only: fr and cs fail to download
+        resolve_data_dir(cfg)
+    assert str(e.value).endswith(
+        f"put train.de, val.en (.gz or plain) into $MTX_DATA_DIR, ../shared/data/multi30k or {cache}, or set "
+        "data.dir to a local copy"
+    )
+    for lang in ("fr", "cs"):
+        for split in ("train", "val", "test_2016_flickr"):
+            (fake.server / f"{split}.{lang}.gz").write_bytes(gzip.compress(b"x\n"))
+    fake.requested.clear()
+    assert resolve_data_dir(cfg) == cache.resolve()
+    assert "train.en.gz" not in fake.requested and "val.de.gz" not in fake.requested and len(fake.requested) == 10
+    assert load_corpus(cache, cfg, ["train"])["train"].num_rows == 3000
+    monkeypatch.setenv("MTX_DATA_DIR", str(tmp_path / "elsewhere"))
+    with pytest.raises(DataError, match=r"MTX_DATA_DIR=.*/elsewhere lacks train.de, train.en, val.de, val.en \(plain"):
+        resolve_data_dir(cfg)
+    with pytest.raises(DataError, match=r"finds Multi30k only .* not dev.de, dev.en; set data.dir"):
+        monkeypatch.delenv("MTX_DATA_DIR")
+        resolve_data_dir(DataConfig(dir="auto", valid_split="dev"))
+
+
 def test_eval_fetches_an_official_test_split_the_data_dir_lacks(
     multi30k_server: FakeMulti30k, small_data: Path, tmp_path: Path
 ) -> None:
@@ -231,8 +264,8 @@ def test_eval_split_errors_name_the_fix(multi30k_server: FakeMulti30k, small_dat
     # the fake has no test_2018_flickr: a failed download names the files, where to put them, and --src/--ref
     with pytest.raises(
         DataError,
-        match=r"cannot download Multi30k .*\(FileNotFoundError\); put test_2018_flickr\.de\.gz and "
-        r"test_2018_flickr\.en\.gz in .* or .*, or pass --src/--ref",
+        match=r"cannot download Multi30k .*\(FileNotFoundError: Couldn't find file at .*\); "
+        r"put test_2018_flickr\.de\.gz and test_2018_flickr\.en\.gz in .* or .*, or pass --src/--ref",
     ):
         eval_split_files(small_data, "test_2018_flickr", "de", "en")
     assert not (tmp_path / "cache" / "mtx" / "multi30k").exists()  # nothing half-written

@@ -761,6 +761,19 @@ def test_val_pairs_beyond_the_positions_are_left_out_of_the_val_loss(tmp_path: P
     assert valid and all(math.isfinite(e["val_loss"]) for e in valid)
 
 
+def test_a_resume_records_a_new_data_dir_as_the_directory_used(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--resume --set data.dir=data` recorded `data` as given, so `mtx eval` run from another
+    directory found other data there, or none."""
+    run = tmp_path / "run"
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_every=2")) == 0
+    shutil.copytree(mini_data, tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--run-dir", "run", "--resume", "--set", "train.max_steps=3", "--set", "data.dir=data"]) == 0
+    assert load_config(run / "config.yaml").data.dir == str((tmp_path / "data").resolve())
+
+
 def test_a_run_saved_without_fp16_resumes_in_fp16(
     tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
+
+import pytest
 
 from mtx.config import DataConfig, TokenizerConfig
 from mtx.data import load_corpus, texts
+from mtx.errors import CheckpointError
 from mtx.tokenizer import BOS, BPE, EOS, PAD, UNK, train_bpe, train_or_load
 
 
@@ -49,3 +54,20 @@ def test_bpe_dropout_resegments_over_the_same_vocabulary(shared_data: Path) -> N
     assert sum(map(len, plain)) < sum(map(len, first))  # skipped merges leave more, shorter pieces
     assert drop.decode_batch(first) == lines
     assert tok.encode_batch(lines) == plain  # the tokenizer it was copied from is unchanged
+
+
+def test_a_tokenizer_file_with_other_special_ids_is_named_and_a_small_vocabulary_is_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The special-token error named no file; a vocab_size the text cannot fill was an info line."""
+    with caplog.at_level(logging.WARNING, logger="mtx.tokenizer"):
+        tok = train_bpe(["Ein Mann fährt Fahrrad."] * 10, TokenizerConfig(vocab_size=100_000, min_frequency=1))
+    assert f"trained BPE: {tok.vocab_size} pieces, fewer than tokenizer.vocab_size=100000" in caplog.text
+    spec = json.loads(tok.tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    vocab["<pad>"], vocab["<s>"] = vocab["<s>"], vocab["<pad>"]
+    for added in spec["added_tokens"]:
+        added["id"] = {"<pad>": 1, "<s>": 0}.get(added["content"], added["id"])
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(CheckpointError, match=r"^.*/tokenizer\.json: tokenizer: special token <pad> must have id 0$"):
+        BPE.load(tmp_path / "tokenizer.json")
