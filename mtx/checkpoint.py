@@ -22,13 +22,12 @@ from typing import IO, Any
 
 import torch
 
-from mtx.config import Config, load_config
+from mtx.config import CONFIG_FILE, Config, load_run_config
 from mtx.errors import CheckpointError
 from mtx.model import Ensemble, Seq2Seq
 from mtx.tokenizer import BPE, load_run_tokenizers
 
 FORMAT_VERSION = 1
-CONFIG_FILE = "config.yaml"
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -146,15 +145,6 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format {version!r} is not supported (expected {FORMAT_VERSION})")
     return obj
-
-
-def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Config:
-    path = run_dir / CONFIG_FILE
-    if not run_dir.is_dir():
-        raise CheckpointError(f"{run_dir}: run directory not found")
-    if not path.is_file():
-        raise CheckpointError(f"{run_dir}: no {CONFIG_FILE}; is this an mtx run directory?")
-    return load_config(path, overrides)
 
 
 def shape_fingerprint(model: Seq2Seq) -> dict[str, list[int]]:

@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from mtx.config import load_config
+    from mtx.config import load_config, load_run_config
 
     if args.resume:
         if args.run_dir is None:
@@ -264,13 +264,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise MtxError(
                 "--resume continues with the run's own config.yaml; drop --config (use --set to change keys)"
             )
-        from mtx.checkpoint import load_run_config
-
         cfg = load_run_config(args.run_dir, args.overrides)
     else:
         if args.config is None:
             raise MtxError("train needs --config FILE (e.g. configs/multi30k_de_en.yaml), or --run-dir DIR --resume")
-        cfg = load_config(args.config, args.overrides)  # before torch is imported: a config error in a blink
+        cfg = load_config(args.config, args.overrides)
+    # torch is imported only now: a config error is reported in a fraction of a second
     from mtx.train import Ranks, fit
 
     run_dir = args.run_dir or Path("runs") / args.config.stem
@@ -303,17 +302,26 @@ def _precision(args: argparse.Namespace, cfg: Config) -> str:
     return args.precision or cfg.decode.precision
 
 
+def _settings(args: argparse.Namespace) -> tuple[Config, tuple[int, float, int, int, str]]:
+    """The run's config and the decoding settings, checked before torch is imported (a mistake
+    is reported in a fraction of a second, not after seconds of imports)."""
+    from mtx.config import load_run_config
+
+    cfg = load_run_config(args.run)
+    cpus = usable_cpus()
+    if not 0 <= args.threads <= cpus:  # too many: slow, and past a few thousand a crash in OpenMP
+        raise MtxError(
+            f"--threads must be 0 (torch's choice) to {cpus} (the CPUs mtx may use here), got {args.threads}"
+        )
+    return cfg, _decode_settings(args, cfg.decode)
+
+
 def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, imported lazily
     import torch
 
     from mtx.checkpoint import load_run
     from mtx.train import cpu_bf16_speedup, pick_device
 
-    cpus = usable_cpus()
-    if not 0 <= args.threads <= cpus:  # too many: slow, and past a few thousand a crash in OpenMP
-        raise MtxError(
-            f"--threads must be 0 (torch's choice) to {cpus} (the CPUs mtx may use here), got {args.threads}"
-        )
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device, "--device")
@@ -328,31 +336,32 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, import
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
+    texts = args.text
+    from_stdin = not texts or texts == ["-"]
+    if from_stdin and args.buffer_lines < 1:
+        raise MtxError(f"--buffer-lines must be >= 1, got {args.buffer_lines}")
+    if not from_stdin and "-" in texts:
+        raise MtxError("'-' (read standard input) cannot be mixed with TEXT arguments")
+    for i, text in enumerate([] if from_stdin else texts, 1):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable argv bytes arrive as lone surrogates
+            raise MtxError(f"TEXT argument {i} is not valid UTF-8; re-encode it as UTF-8") from None
+    _, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
+    if not 1 <= args.nbest <= beam:
+        raise MtxError(f"--nbest must be between 1 and --beam ({beam}), got {args.nbest}")
     from mtx.data import stream_lines
     from mtx.search import translate_ids
 
-    texts = args.text
     chunks: Iterable[tuple[int, list[str]]]
-    if not texts or texts == ["-"]:
-        if args.buffer_lines < 1:
-            raise MtxError(f"--buffer-lines must be >= 1, got {args.buffer_lines}")
+    if from_stdin:
         terminal = sys.stdin.isatty()
         # a file or pipe in and out: a bar of the lines done on the terminal's stderr
         show_bar = not terminal and not sys.stdout.isatty()
         chunks = stream_lines(sys.stdin.buffer, args.buffer_lines, "standard input", "the input")
-    elif "-" in texts:
-        raise MtxError("'-' (read standard input) cannot be mixed with TEXT arguments")
     else:
-        for i, text in enumerate(texts, 1):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:  # undecodable argv bytes arrive as lone surrogates
-                raise MtxError(f"TEXT argument {i} is not valid UTF-8; re-encode it as UTF-8") from None
         terminal, show_bar, chunks = False, False, [(0, [t.strip() for t in texts])]
     run = _load(args)
-    beam, alpha, batch_tokens, workers, stop = _decode_settings(args, run.cfg.decode)
-    if not 1 <= args.nbest <= beam:
-        raise MtxError(f"--nbest must be between 1 and --beam ({beam}), got {args.nbest}")
     dc = run.cfg.decode
     if terminal:
         log.info("type a sentence and press Enter to translate it; Ctrl-D ends")
@@ -424,18 +433,18 @@ def _check_output(output: Path, inputs: dict[str, list[Path | None]]) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from mtx.checkpoint import atomic_write_text
-    from mtx.data import eval_split_files, read_lines, read_parallel
     from mtx.evaluate import MAX_RESAMPLED, MIN_BOOTSTRAP, PAIRED_SAMPLES, corpus_scores, paired_tests
-    from mtx.search import translate
 
     if (args.src is None) != (args.ref is None):
         raise MtxError("--src and --ref go together (source file and reference file)")
     if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
-    run = _load(args)
-    cfg = run.cfg
-    beam, alpha, batch_tokens, workers, stop = _decode_settings(args, cfg.decode)
+    cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
+    from mtx.checkpoint import atomic_write_text
+    from mtx.data import eval_split_files, read_lines, read_parallel
+    from mtx.search import translate
+
+    # the data and the other systems' outputs are checked before the model is loaded
     if args.src is not None:
         src, ref = read_parallel(args.src, args.ref)
         name = args.src.name.removesuffix(".gz")
@@ -456,6 +465,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for path, lines in others:
         if len(lines) != len(src):
             raise MtxError(f"--paired {path}: {len(lines)} lines for the {len(src)} sentences of {name}")
+    run = _load(args)
     output = args.output or args.run / "eval" / _hypotheses_name(args, name, beam, stop, cfg)
     _check_output(output, {"--paired": args.paired, "--src": [args.src], "--ref": [args.ref]})
     with _progress_bar(f"decoding {name}", len(src)) as bar:

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from mtx.errors import ConfigError
+from mtx.errors import CheckpointError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -523,3 +523,16 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 def save_config(cfg: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+
+
+CONFIG_FILE = "config.yaml"  # a run directory's resolved config
+
+
+def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Config:
+    """A run directory's config (with `--set` overrides), read without importing torch."""
+    path = run_dir / CONFIG_FILE
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: run directory not found")
+    if not path.is_file():
+        raise CheckpointError(f"{run_dir}: no {CONFIG_FILE}; is this an mtx run directory?")
+    return load_config(path, overrides)

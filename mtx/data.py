@@ -199,9 +199,14 @@ def download_multi30k(
 
 
 def _needed(cfg: DataConfig) -> list[tuple[str, str]]:
-    """The (split, language) files training reads: train and val of every language it uses."""
-    langs = [cfg.src_lang, cfg.tgt_lang, *cfg.extra_src_langs]
-    return [(split, lang) for split in dict.fromkeys([cfg.train_split, cfg.valid_split]) for lang in langs]
+    """The (split, language) files training reads: train and val of its languages, and the train
+    split of each extra source language."""
+    pair = [
+        (split, lang)
+        for split in dict.fromkeys([cfg.train_split, cfg.valid_split])
+        for lang in (cfg.src_lang, cfg.tgt_lang)
+    ]
+    return pair + [(cfg.train_split, lang) for lang in cfg.extra_src_langs]
 
 
 def _missing(folder: Path, files: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:

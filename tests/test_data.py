@@ -233,6 +233,12 @@ def test_auto_data_completes_a_half_filled_cache_and_names_what_it_lacks(
     monkeypatch.setenv("MTX_DATA_DIR", str(tmp_path / "elsewhere"))
     with pytest.raises(DataError, match=r"MTX_DATA_DIR=.*/elsewhere lacks train.de, train.en, val.de, val.en \(plain"):
         resolve_data_dir(cfg)
+    extra = tmp_path / "extra"  # an extra source language is read from the train split only
+    extra.mkdir()
+    for name in ("train.de", "train.en", "val.de", "val.en", "train.fr"):
+        (extra / name).write_text("x\n")
+    monkeypatch.setenv("MTX_DATA_DIR", str(extra))
+    assert resolve_data_dir(DataConfig(dir="auto", extra_src_langs=("fr",))) == extra.resolve()
     with pytest.raises(DataError, match=r"finds Multi30k only .* not dev.de, dev.en; set data.dir"):
         monkeypatch.delenv("MTX_DATA_DIR")
         resolve_data_dir(DataConfig(dir="auto", valid_split="dev"))
