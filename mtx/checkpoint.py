@@ -329,9 +329,11 @@ def _training_file(path: Path, run_dir: Path) -> bool:
 BEST, BEST_SINGLE, BEST_AVERAGE = "best.pt", "best_single.pt", "best_average.pt"
 
 
-def _keep_as(src: Path, dst: Path) -> None:
+def _link(src: Path, dst: Path) -> None:
     """Make `dst` a second name of `src` (a hard link: checkpoints are only ever replaced, never
     written in place), or a copy where the filesystem has no hard links; atomically either way."""
+    if dst.exists() and dst.samefile(src):
+        return
     tmp = dst.with_name(f".{dst.name}.tmp.{os.getpid()}")
     tmp.unlink(missing_ok=True)
     try:
@@ -343,26 +345,53 @@ def _keep_as(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def make_best(run_dir: Path, payload: dict[str, Any]) -> Path:
-    """Write `payload` (an average) as the run's best.pt; the best single checkpoint that training
-    saved there is kept as best_single.pt (an earlier chosen average there as best_average.pt), so
-    nothing is lost."""
-    ckpts = checkpoint_dir(run_dir)
+def _average_in_best(ckpts: Path) -> bool:
+    """Whether a chosen average holds best.pt (training's single is then best_single.pt). A
+    best_single.pt that is best.pt itself (a `make_best` killed between its two steps) is a
+    spare name: it goes, and no average holds best.pt."""
     best, single = ckpts / BEST, ckpts / BEST_SINGLE
-    new_single = False
-    if best.is_file():
-        if single.exists():  # best.pt holds an earlier chosen average
-            _keep_as(best, ckpts / BEST_AVERAGE)
-        else:
-            _keep_as(best, single)
-            new_single = True
+    if not (single.is_file() and best.is_file()):
+        return single.is_file()
+    if single.samefile(best):
+        single.unlink()
+        return False
+    return True
+
+
+def _save_best(ckpts: Path, payload: dict[str, Any], keep: Path | None) -> None:
+    """`payload` as best.pt; with `keep`, what best.pt held is kept under that name. best_single.pt
+    (training's single) is linked before best.pt is replaced, so that no interruption can lose it;
+    best_average.pt (an earlier average) is set aside under a temporary name and renamed once the
+    new best.pt is written, so that a failed write leaves it as it was."""
+    best = ckpts / BEST
+    before = best.stat().st_ino if best.is_file() else None
+    early = keep is not None and keep.name == BEST_SINGLE
+    aside = None if keep is None or early else keep.with_name(f".{keep.name}.aside.tmp.{os.getpid()}")
+    if before is not None and keep is not None:
+        _link(best, keep if early else aside)
     try:
         atomic_save(payload, best)
-    except BaseException:  # best.pt is unchanged: the single it holds has no second copy to keep
-        if new_single:
-            single.unlink(missing_ok=True)
+    except BaseException:
+        if not best.is_file() or best.stat().st_ino == before:  # best.pt as it was: undo the second name
+            if early and before is not None:
+                keep.unlink(missing_ok=True)
+            if aside is not None:
+                aside.unlink(missing_ok=True)
+            raise
+        if aside is not None and aside.exists():  # written; only the directory's sync failed
+            os.replace(aside, keep)
         raise
-    return best
+    if aside is not None and aside.exists():
+        os.replace(aside, keep)
+
+
+def make_best(run_dir: Path, payload: dict[str, Any]) -> Path:
+    """Write `payload` (an average) as the run's best.pt; the best single checkpoint that training
+    saved there is kept as best_single.pt (an earlier chosen average there as best_average.pt),
+    so nothing is lost, whenever it is interrupted."""
+    ckpts = checkpoint_dir(run_dir)
+    _save_best(ckpts, payload, ckpts / (BEST_AVERAGE if _average_in_best(ckpts) else BEST_SINGLE))
+    return ckpts / BEST
 
 
 def best_single(run_dir: Path) -> Path:
@@ -376,9 +405,9 @@ def restore_best_single(run_dir: Path) -> Path:
     held best.pt is kept as best_average.pt."""
     ckpts = checkpoint_dir(run_dir)
     best, single = ckpts / BEST, ckpts / BEST_SINGLE
-    if single.is_file():
+    if _average_in_best(ckpts):
         if best.is_file():
-            _keep_as(best, ckpts / BEST_AVERAGE)
+            _link(best, ckpts / BEST_AVERAGE)
         os.replace(single, best)
     return best
 
@@ -388,10 +417,7 @@ def save_new_best(run_dir: Path, payload: dict[str, Any]) -> Path | None:
     (a run resumed after `mtx average --as-best`), that average is kept as best_average.pt and
     its path returned, and best_single.pt, now outdated, goes."""
     ckpts = checkpoint_dir(run_dir)
-    kept = None
-    if (ckpts / BEST_SINGLE).exists() and (ckpts / BEST).is_file():
-        _keep_as(ckpts / BEST, ckpts / BEST_AVERAGE)
-        kept = ckpts / BEST_AVERAGE
-    atomic_save(payload, ckpts / BEST)
+    kept = ckpts / BEST_AVERAGE if _average_in_best(ckpts) and (ckpts / BEST).is_file() else None
+    _save_best(ckpts, payload, kept)
     (ckpts / BEST_SINGLE).unlink(missing_ok=True)
     return kept

@@ -428,8 +428,16 @@ def _check_output(output: Path, inputs: dict[str, list[Path | None]]) -> None:
             if path is not None and output.exists() and path.exists() and output.samefile(path):
                 raise MtxError(f"the hypotheses file {output} is the {option} file; pass --output with another path")
     output.parent.mkdir(parents=True, exist_ok=True)
+    if _written_through(output):  # a device, pipe or link: it is opened as it is, not replaced
+        return
     if not os.access(output.parent, os.W_OK | os.X_OK):
         raise MtxError(f"--output {output}: cannot write to {output.parent}")
+
+
+def _written_through(output: Path) -> bool:
+    """Whether `output` is written by opening it (`/dev/null`, `/dev/stdout`, a pipe, a symbolic
+    link) rather than replaced atomically by a new regular file."""
+    return output.is_symlink() or (output.exists() and not output.is_file())
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -483,7 +491,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             stop=stop,
             progress=bar.update,
         )
-    atomic_write_text(output, "".join(t + "\n" for t in text))
+    if _written_through(output):
+        with open(output, "w", encoding="utf-8") as f:
+            f.write("".join(t + "\n" for t in text))
+    else:
+        atomic_write_text(output, "".join(t + "\n" for t in text))
     scores = corpus_scores(text, ref, bootstrap=args.bootstrap)
     paired = paired_tests(text, others, ref, samples) if others else []
     result: dict[str, object] = {

@@ -10,10 +10,12 @@ into it, so a failed export leaves nothing behind.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -116,10 +118,16 @@ def ctranslate2_spec(model: Seq2Seq, src_tok: BPE, tgt_tok: BPE) -> Any:
     return spec
 
 
+def _staging_tag() -> str:
+    """`partial-HOST-PID`: this export's staging directory is `.NAME.partial-HOST-PID`."""
+    return f"partial-{socket.gethostname()}-{os.getpid()}"
+
+
 def _remove_dead_exports(directory: Path) -> None:
-    """Remove the staging directories (`.NAME.partial-PID`) of exports whose process is gone: a
-    kill -9, or a SIGTERM, which ends the process without unwinding its cleanup."""
-    for path in directory.glob(".*.partial-*"):
+    """Remove the staging directories of this machine's exports whose process is gone: a kill -9,
+    or a SIGTERM, which ends the process without unwinding its cleanup. Another machine's (a
+    shared filesystem) stay: whether its process lives cannot be told from here."""
+    for path in directory.glob(f".*.partial-{glob.escape(socket.gethostname())}-*"):
         pid = path.name.rsplit("-", 1)[1]
         if path.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
@@ -142,7 +150,7 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
     spec.optimize(quantization=quantization)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_exports(out_dir.parent)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    staging = out_dir.parent / f".{out_dir.name}.{_staging_tag()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -104,6 +105,49 @@ def test_a_failed_or_interrupted_choice_leaves_best_pt_whole(tmp_path: Path, mon
     monkeypatch.undo()
     assert _read(ckpts / "best.pt")["averaged_from"] == ["step_30.pt", "step_40.pt"]  # whole, still the average
     assert _read(ckpts / "best_single.pt") == {"step": 40}
+    # a failed write of a newer average leaves the earlier best_average.pt as it was
+    atomic_save({"step": 20, "averaged_from": ["step_10.pt", "step_20.pt"]}, ckpts / "best_average.pt")
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError):
+        make_best(tmp_path, {"step": 40, "averaged_from": ["step_20.pt", "step_40.pt"]})
+    monkeypatch.undo()
+    assert _read(ckpts / "best_average.pt")["averaged_from"] == ["step_10.pt", "step_20.pt"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best.pt", "best_average.pt", "best_single.pt"]
+
+
+def test_a_written_best_pt_whose_directory_sync_fails_keeps_the_single(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write is renamed into place before the directory is synced: a failure (or Ctrl-C) there
+    means best.pt is already the average, so training's single must stay as best_single.pt."""
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    atomic_save({"step": 40}, ckpts / "best.pt")
+
+    def sync_fails(directory: Path) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr("mtx.checkpoint._fsync_dir", sync_fails)
+    with pytest.raises(CheckpointError):
+        make_best(tmp_path, {"step": 40, "averaged_from": ["step_30.pt", "step_40.pt"]})
+    monkeypatch.undo()
+    assert "averaged_from" in _read(ckpts / "best.pt") and _read(ckpts / "best_single.pt") == {"step": 40}
+
+
+def test_a_spare_best_single_name_left_by_a_killed_choice_is_not_taken_for_an_average(tmp_path: Path) -> None:
+    """A make_best killed after naming the single best_single.pt, before writing best.pt, leaves
+    two names of the single: the next choice must not file the single as best_average.pt."""
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    atomic_save({"step": 40}, ckpts / "best.pt")
+    os.link(ckpts / "best.pt", ckpts / "best_single.pt")
+    assert best_single(tmp_path) == ckpts / "best_single.pt"  # either name holds the single
+    make_best(tmp_path, {"step": 40, "averaged_from": ["step_30.pt", "step_40.pt"]})
+    assert _read(ckpts / "best_single.pt") == {"step": 40} and not (ckpts / "best_average.pt").exists()
+    restore_best_single(tmp_path)  # the average is kept; the single is best.pt again
+    assert _read(ckpts / "best.pt") == {"step": 40} and "averaged_from" in _read(ckpts / "best_average.pt")
+    os.link(ckpts / "best.pt", ckpts / "best_single.pt")  # a spare name again: nothing holds an average
+    assert save_new_best(tmp_path, {"step": 60}) is None and "averaged_from" in _read(ckpts / "best_average.pt")
 
 
 def test_average_of_more_than_the_kept_checkpoints_says_so(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:

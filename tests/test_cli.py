@@ -311,6 +311,13 @@ def test_eval_never_writes_over_a_file_it_reads_or_another_systems_hypotheses(
         f"the hypotheses file {ref} is the --ref file; pass --output with another path",
     )
     assert own.read_bytes() == first and ref.read_text() == "A dog.\n"
+    # a device or a symbolic link is written through, not replaced by a regular file
+    assert main([*common, "--output", os.devnull]) == 0 and not Path(os.devnull).is_file()
+    (tmp_path / "target.en").write_text("")
+    (tmp_path / "link.en").symlink_to(tmp_path / "target.en")
+    assert main([*common, "--output", str(tmp_path / "link.en")]) == 0
+    assert (tmp_path / "link.en").is_symlink() and (tmp_path / "target.en").read_bytes() == first
+    capsys.readouterr()
     monkeypatch.setattr(os, "access", lambda *a: False)  # (a read-only directory; root may write any other)
     refused(
         [*common, "--output", str(tmp_path / "out" / "h.en")],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -109,15 +110,20 @@ def test_exported_model_decodes_what_mtx_decodes(tiny_run: Path, small_data: Pat
 
 def test_export_command_and_its_refusals(tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # what a killed export leaves (SIGTERM and kill -9 skip its cleanup) goes; a running one's stays
+    # (another machine's, on a shared filesystem, stays too: whether its process lives is unknown here)
     gone = subprocess.Popen(["true"])
     gone.wait()
-    (tmp_path / f".old.partial-{gone.pid}").mkdir()
-    (tmp_path / f".old.partial-{gone.pid}" / "model.bin").write_bytes(b"x" * 1000)
-    (tmp_path / f".busy.partial-{os.getpid()}").mkdir()
+    host = socket.gethostname()
+    (tmp_path / f".old.partial-{host}-{gone.pid}").mkdir()
+    (tmp_path / f".old.partial-{host}-{gone.pid}" / "model.bin").write_bytes(b"x" * 1000)
+    kept = [f".busy.partial-{host}-{os.getpid()}", f".other.partial-elsewhere-{gone.pid}"]
+    for name in kept:
+        (tmp_path / name).mkdir()
     r = mtx("export", "--run", str(tiny_run), "--out", str(tmp_path / "ct2"), "--quantization", "int8")
     assert r.returncode == 0, r.stderr.decode()
-    assert [p.name for p in tmp_path.glob(".*partial*")] == [f".busy.partial-{os.getpid()}"]
-    (tmp_path / f".busy.partial-{os.getpid()}").rmdir()
+    assert sorted(p.name for p in tmp_path.glob(".*partial*")) == sorted(kept)
+    for name in kept:
+        (tmp_path / name).rmdir()
     assert json.loads(r.stdout) == {"ctranslate2_model": str(tmp_path / "ct2"), "quantization": "int8"}
     written = sorted(p.name for p in (tmp_path / "ct2").iterdir())
     assert {"model.bin", "config.json", "source_tokenizer.json", "target_tokenizer.json", "mtx_export.json"} <= set(
