@@ -40,7 +40,7 @@ def step_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(paths, key=lambda p: int(p.stem.split("_", 1)[1]) if p.stem.split("_", 1)[1].isdigit() else -1)
 
 
-def pid_alive(pid: int) -> bool:
+def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -50,14 +50,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def left_by_dead_process(pid: str) -> bool:
+    """Whether `pid`, read off a temporary file's name, is another process of this machine that
+    is gone (so what it was writing will never be finished)."""
+    return pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
+
+
 def clean_stale_tmp(directory: Path) -> list[Path]:
     """Remove `.NAME.tmp.PID` files left by writers that died mid-save (e.g. `kill -9`)."""
     removed = []
     if not directory.is_dir():
         return removed
     for path in directory.glob(".*.tmp.*"):
-        pid = path.name.rsplit(".", 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+        if left_by_dead_process(path.name.rsplit(".", 1)[1]):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed

@@ -43,11 +43,16 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 _SHARED_COPIES = (Path("../shared/data/multi30k"), _REPO_ROOT.parent / "shared/data/multi30k")
 
 
+def _find_split_file(data_dir: Path, split: str, lang: str) -> Path | None:
+    """The file of one side of one split, plain or gzipped; None where there is neither."""
+    return next((data_dir / n for n in (f"{split}.{lang}", f"{split}.{lang}.gz") if (data_dir / n).is_file()), None)
+
+
 def split_file(data_dir: Path, split: str, lang: str) -> Path:
     """The file of one side of one split, plain or gzipped."""
-    for name in (f"{split}.{lang}", f"{split}.{lang}.gz"):
-        if (data_dir / name).is_file():
-            return data_dir / name
+    path = _find_split_file(data_dir, split, lang)
+    if path is not None:
+        return path
     raise DataError(
         f"{data_dir}: no {split}.{lang} or {split}.{lang}.gz (split {split!r} missing, or language {lang!r} not in it)"
     )
@@ -211,9 +216,7 @@ def _needed(cfg: DataConfig) -> list[tuple[str, str]]:
 
 def _missing(folder: Path, files: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
     """The (split, language) files of `files` that `folder` holds neither plain nor gzipped."""
-    return [
-        (s, lang) for s, lang in files if not any((folder / n).is_file() for n in (f"{s}.{lang}", f"{s}.{lang}.gz"))
-    ]
+    return [(split, lang) for split, lang in files if _find_split_file(folder, split, lang) is None]
 
 
 def _names(files: Sequence[tuple[str, str]]) -> str:

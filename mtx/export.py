@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mtx import __version__
-from mtx.checkpoint import LoadedRun, pid_alive
+from mtx.checkpoint import LoadedRun, left_by_dead_process
 from mtx.config import QUANTIZATIONS
 from mtx.errors import MtxError
 from mtx.model import Ensemble, ScaleNorm, Seq2Seq
@@ -128,8 +128,7 @@ def _remove_dead_exports(directory: Path) -> None:
     or a SIGTERM, which ends the process without unwinding its cleanup. Another machine's (a
     shared filesystem) stay: whether its process lives cannot be told from here."""
     for path in directory.glob(f".*.partial-{glob.escape(socket.gethostname())}-*"):
-        pid = path.name.rsplit("-", 1)[1]
-        if path.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+        if path.is_dir() and left_by_dead_process(path.name.rsplit("-", 1)[1]):
             shutil.rmtree(path, ignore_errors=True)
 
 
