@@ -136,16 +136,27 @@ def test_bf16_decoding_warns_where_bf16_products_are_slow(
     speedup: float,
     warning: str | None,
 ) -> None:
-    """`--precision bf16` still decodes in bf16, and says when this CPU's measured bf16 products
-    are slower than fp32's (`mtx.train.cpu_bf16_speedup`)."""
-    from mtx import train
+    """`--precision bf16` still decodes in bf16 (the model's weights are bf16 in the search;
+    fp32 without the option), and says when this CPU's measured bf16 products are slower than
+    fp32's (`mtx.train.cpu_bf16_speedup`)."""
+    from mtx import search, train
     from mtx.cli import main
 
     monkeypatch.setattr(train, "cpu_bf16_speedup", lambda: speedup)
+    dtypes = []
+    translate_ids = search.translate_ids
+
+    def recording(model: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        dtypes.append(next(model.parameters()).dtype)
+        return translate_ids(model, *args, **kwargs)
+
+    monkeypatch.setattr(search, "translate_ids", recording)
     args = ["translate", "--run", str(tiny_run), "--device", "cpu", "--precision", "bf16", "Ein Mann."]
     assert main(args) == 0  # the CPU even where the run trained on a GPU: the warning is the CPU's
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 1
+    assert main(args[:-3] + args[-1:]) == 0 and dtypes == [torch.bfloat16, torch.float32]
+    capsys.readouterr()
     warned = [line for line in err.splitlines() if "--precision fp32 decodes faster" in line]
     assert len(warned) == (warning is not None), err
     assert warning is None or warning in warned[0]

@@ -154,6 +154,16 @@ def test_shuffle_is_seeded_and_changes_per_epoch() -> None:
     c = plan_batches(src, tgt, 500, seed=2)
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=False))
+    # an epoch's batches: each sentence's first id names it; the same (seed, epoch) gives the
+    # same order, the next epoch another, and every epoch covers every sentence once
+    ids = ParallelIds([[10 + i] * (s - 1) for i, s in enumerate(src)], [[4] * (t - 1) for t in tgt])
+
+    def order(epoch: int) -> list[int]:
+        return [i for batch in epoch_batches(ids, 500, seed=1, epoch=epoch) for i in (batch.src[:, 0] - 10).tolist()]
+
+    first = order(0)
+    assert first == order(0) and sorted(first) == list(range(2000))
+    assert order(1) != first and sorted(order(1)) == list(range(2000))
 
 
 def test_padding_is_small_on_multi30k_train(shared_data: Path) -> None:

@@ -44,9 +44,12 @@ def load_weights_only(path: Path) -> dict:
 
 
 def snapshot(*roots: Path) -> dict[str, str]:
-    """Path -> content hash of every file under the roots."""
+    """Path -> content hash of every file under the roots ("dir" for a directory, so that one
+    left behind, even empty, is seen)."""
     return {
-        str(p): hashlib.sha256(p.read_bytes()).hexdigest() for root in roots for p in root.rglob("*") if p.is_file()
+        str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for root in roots
+        for p in root.rglob("*")
     }
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from pathlib import Path
 
@@ -9,8 +10,9 @@ import torch
 
 from mtx import search
 from mtx.checkpoint import LoadedRun, load_run
+from mtx.config import ModelConfig
 from mtx.data import pad_ids, read_lines
-from mtx.model import Ensemble, make_src_mask
+from mtx.model import Ensemble, Seq2Seq, make_src_mask
 from mtx.search import beam_search, greedy_search, length_penalty, top_candidates, translate_ids
 from mtx.tokenizer import BOS, EOS
 
@@ -92,6 +94,50 @@ def test_beam_one_equals_greedy(run: LoadedRun, src_ids: list[list[int]]) -> Non
     assert [h.log_prob for h in greedy] == pytest.approx([b[0].log_prob for b in beam], abs=1e-4)
 
 
+@pytest.mark.parametrize("restricted", [False, True])
+@pytest.mark.parametrize("alpha", [0.0, 1.4])
+def test_an_exhaustive_beam_returns_the_best_sequences_found_by_enumeration(restricted: bool, alpha: float) -> None:
+    """Against an independent reference: every output of up to 4 tokens (EOS included) of a
+    small random model, scored by recomputing each whole prefix. A beam as wide as all of them
+    must return the best 10 in order, with their scores, whatever the exact stop leaves out."""
+    torch.manual_seed(7)
+    cfg = ModelConfig(
+        d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=2, dropout=0.0, max_positions=16
+    )
+    output_ids = torch.arange(4, 20, 3) if restricted else None  # 6 pieces + EOS + UNK: 8 columns
+    model = Seq2Seq(cfg, 20 if restricted else 7, 20 if restricted else 7, True, output_ids=output_ids).eval()
+    with torch.no_grad():  # peakier distributions than an untrained model's: fewer near-ties
+        model.src_embed.tokens.weight.mul_(3.0)
+    src = _batch([[4, 5, 6], [5, 4], [6]])
+    columns = 8 if restricted else 7
+    cap, beam = 4, columns * (columns - 1) ** 2  # all candidates of the widest step in the top `beam`
+    found = beam_search(model, src, beam, alpha, 0.0, cap, nbest=10)
+    with torch.no_grad():
+        for i in range(src.shape[0]):
+            one = src[i : i + 1]
+            mask = make_src_mask(one)
+            memory = model.encode(one, mask)
+            scored: list[tuple[float, list[int]]] = []
+            prefixes: list[tuple[list[int], float]] = [([], 0.0)]
+            for length in range(1, cap + 1):
+                tgt = torch.tensor([[BOS, *p] for p, _ in prefixes])
+                n = len(prefixes)
+                lp = model.decode(tgt, memory.expand(n, -1, -1), mask.expand(n, *mask.shape[1:]), None)
+                lp = lp[:, -1].float().log_softmax(dim=-1)
+                tokens = model.output_tokens(torch.arange(columns)).tolist()
+                grown = []
+                for (prefix, total), row in zip(prefixes, lp.tolist(), strict=True):
+                    for column, token in enumerate(tokens):
+                        if token == EOS:
+                            scored.append(((total + row[column]) / length_penalty(length, alpha), prefix))
+                        elif length < cap:
+                            grown.append(([*prefix, token], total + row[column]))
+                prefixes = grown
+            scored.sort(key=lambda x: x[0], reverse=True)
+            assert [h.tokens for h in found[i]] == [p for _, p in scored[:10]]
+            assert [h.score for h in found[i]] == pytest.approx([x for x, _ in scored[:10]], abs=1e-5)
+
+
 def test_bf16_weights_decode_close_to_fp32(run: LoadedRun, src_ids: list[list[int]]) -> None:
     """`--precision bf16`: the model cast to bf16 decodes through the same searches, scores in
     float32. Its products round to 8 bits, so the exact invariants of fp32 (beam 1 is greedy,
@@ -131,6 +177,31 @@ def test_decoding_threads_change_no_output(run: LoadedRun, src_ids: list[list[in
             assert [h.tokens for h in a] == [h.tokens for h in b]
             assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
         assert torch.get_num_threads() == threads
+
+
+def test_decoding_threads_are_threads_with_their_share_of_torchs(
+    tiny_run: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`workers=2` decodes on two threads other than the caller's, each with half of torch's
+    intra-op threads; `workers=1` on the caller's thread with all of them."""
+    run = load_run(tiny_run)
+    src_ids = run.src_tok.encode_batch(read_lines(small_data / "val.de")[:40])
+    seen: list[tuple[int, int]] = []
+    greedy = search.greedy_search
+
+    def recording(*args: object, **kwargs: object) -> list[search.Hypothesis]:
+        seen.append((threading.get_ident(), torch.get_num_threads()))
+        return greedy(*args, **kwargs)
+
+    monkeypatch.setattr(search, "greedy_search", recording)
+    threads = torch.get_num_threads()
+    assert threads >= 2  # conftest: 2
+    translate_ids(run.model, src_ids, 1, 1.0, 1.2, 10, batch_tokens=60, workers=2)
+    assert len(seen) > 4 and {n for _, n in seen} == {threads // 2}
+    assert len({t for t, _ in seen}) == 2 and threading.get_ident() not in {t for t, _ in seen}
+    seen.clear()
+    translate_ids(run.model, src_ids, 1, 1.0, 1.2, 10, batch_tokens=60, workers=1)
+    assert {t for t, _ in seen} == {threading.get_ident()} and {n for _, n in seen} == {threads}
 
 
 def test_progress_counts_every_sentence_once(tiny_run: Path) -> None:
@@ -191,16 +262,16 @@ def test_nbest_sorted_and_first_is_one_best(run: LoadedRun, src_ids: list[list[i
         scores = [h.score for h in hyps]
         assert scores == sorted(scores, reverse=True) and len(hyps) == 4
         assert hyps[0].tokens == one[0].tokens
+        if hyps[0].tokens:  # four different translations, not one beam four times
+            assert len({tuple(h.tokens) for h in hyps}) == 4
         for h in hyps:  # score is the length-normalised log-probability
             assert h.score == pytest.approx(h.log_prob / length_penalty(len(h.tokens) + 1, 1.0), abs=1e-5)
 
 
-def test_stopping_at_the_nbest_th_finished_hypothesis_changes_no_output(
-    run: LoadedRun, src_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A 1-best search stops once its best finished hypothesis cannot be beaten: the same
-    output and score as a search that waits for `beam` of them, from fewer decoded rows."""
-    rows = []
+def _count_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the decoder rows of each search into the last entry of the list returned (append
+    a 0 to start the next count)."""
+    rows = [0]
     next_log_probs = search._next_log_probs
 
     def counting(*args: object, **kwargs: object) -> torch.Tensor:
@@ -209,10 +280,20 @@ def test_stopping_at_the_nbest_th_finished_hypothesis_changes_no_output(
         return out
 
     monkeypatch.setattr(search, "_next_log_probs", counting)
+    return rows
+
+
+def test_stopping_at_the_nbest_th_finished_hypothesis_changes_no_output(
+    run: LoadedRun, src_ids: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1-best search stops once its best finished hypothesis cannot be beaten: the same
+    output and score as a search that waits for `beam` of them, from fewer decoded rows."""
+    rows = _count_rows(monkeypatch)
     src = _batch(src_ids)
     results = []
     for nbest in (5, 1):
-        rows.append(0)
+        if results:
+            rows.append(0)
         results.append(beam_search(run.model, src, 5, 1.4, 1.2, 10, nbest=nbest))
     waited, early = results
     assert [h[0].tokens for h in early] == [h[0].tokens for h in waited]
@@ -221,13 +302,20 @@ def test_stopping_at_the_nbest_th_finished_hypothesis_changes_no_output(
 
 
 @pytest.mark.parametrize("nbest", [1, 5])
-def test_the_finished_stop_scores_at_most_the_exact_stop(run: LoadedRun, src_ids: list[list[int]], nbest: int) -> None:
+def test_the_finished_stop_scores_at_most_the_exact_stop(
+    run: LoadedRun, src_ids: list[list[int]], nbest: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`stop="finished"` (fairseq's rule: stop once `beam` hypotheses have finished) keeps the
     hypotheses a search run to the length cap finishes by then: sorted n-best lists whose best
-    scores at most the exact stop's best, the same output whether decoded in one batch or alone."""
+    scores at most the exact stop's best (below it for some sentence of the tiny models), from fewer
+    decoded rows, the same output whether decoded in one batch or alone."""
     src = _batch(src_ids)
+    rows = _count_rows(monkeypatch)
     exact = beam_search(run.model, src, 5, 1.4, 1.2, 10, nbest=nbest)
+    rows.append(0)
     finished = beam_search(run.model, src, 5, 1.4, 1.2, 10, nbest=nbest, stop="finished")
+    assert rows[1] < rows[0]  # fewer decoded rows: the rule is applied, not the exact stop again
+    assert any(f[0].score < e[0].score - 1e-5 for e, f in zip(exact, finished, strict=True))
     for e, f in zip(exact, finished, strict=True):
         assert len(f) == nbest and [h.score for h in f] == sorted((h.score for h in f), reverse=True)
         assert f[0].score <= e[0].score + 1e-5
@@ -243,6 +331,20 @@ def test_output_length_cap_and_empty_input(run: LoadedRun, src_ids: list[list[in
     hyps = translate_ids(run.model, [[], *src_ids[:5]], 3, 1.0, 0.0, 3, 100_000)
     assert hyps[0][0].tokens == []
     assert all(len(h[0].tokens) <= 2 for h in hyps)  # at most 3 outputs, EOS included
+    # an untrained tiny model runs to the cap: exactly 2 pieces, not an EOS forced a step early
+    assert [len(h[0].tokens) for h in hyps[1:]] == [2] * 5
+
+
+def test_length_penalty_and_output_cap_values(tiny_run: Path) -> None:
+    """The formulas themselves, pinned to numbers: GNMT's ((5 + |Y|) / 6) ** alpha, and a cap of
+    floor(a * source length + b) tokens (the source's EOS counted), within the model's positions."""
+    assert length_penalty(7, 1.4) == pytest.approx(2**1.4)
+    assert length_penalty(3, 0.0) == 1.0 and length_penalty(1, 1.0) == 1.0
+    model = load_run(tiny_run).model
+    src = _batch([[5] * 9, [5] * 2, [5] * 200])  # 10, 3 and 201 positions with EOS
+    caps = search.max_output_lengths(src, 1.2, 10, model).tolist()
+    assert caps == [22, 13, model.cfg.max_positions - 1]
+    assert search.max_output_lengths(src, 0.0, 0, model).tolist() == [1, 1, 1]
 
 
 def test_overlong_input_is_truncated_with_a_warning(run: LoadedRun, caplog: pytest.LogCaptureFixture) -> None:

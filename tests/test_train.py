@@ -284,8 +284,18 @@ def _final_loss(run_dir: Path) -> float:
     return [e for e in events if e["event"] == "train"][-1]["loss"]
 
 
-def test_bf16_converges_like_fp32(tmp_path: Path, small_data: Path) -> None:
-    losses = {}
+def test_bf16_converges_like_fp32(tmp_path: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.amp bf16 trains under bf16 autocast (fp32 without it) and learns as fp32 does."""
+    losses, autocast = {}, {"fp32": [], "bf16": []}
+    real = train_module.label_smoothed_loss
+
+    def recording(model: torch.nn.Module, batch: object, smoothing: float) -> torch.Tensor:
+        if model.training:
+            on = torch.is_autocast_enabled("cpu")
+            autocast[amp].append(torch.get_autocast_dtype("cpu") if on else torch.float32)
+        return real(model, batch, smoothing)
+
+    monkeypatch.setattr(train_module, "label_smoothed_loss", recording)
     for amp in ("fp32", "bf16"):
         run = tmp_path / amp
         args = tiny_args(small_data, run, "--set", "train.max_steps=80", "--set", f"train.amp={amp}")
@@ -293,6 +303,8 @@ def test_bf16_converges_like_fp32(tmp_path: Path, small_data: Path) -> None:
         losses[amp] = _final_loss(run)
     assert losses["fp32"] < 5.5  # it did learn (starts near ln(1000) = 6.9)
     assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.1)
+    assert losses["bf16"] != losses["fp32"]  # bf16's rounding: not the same run twice
+    assert set(autocast["fp32"]) == {torch.float32} and set(autocast["bf16"]) == {torch.bfloat16}
 
 
 def test_cpu_bf16_speedup_is_measured_once_and_is_zero_without_native_bf16() -> None:
