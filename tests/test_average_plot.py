@@ -41,6 +41,27 @@ def test_average_is_the_elementwise_mean(run_copy: Path) -> None:
         assert torch.allclose(value, (a[key] + b[key]) / 2, atol=1e-6), key
 
 
+def test_an_average_of_several_is_the_mean_of_all_of_them(run_copy: Path) -> None:
+    """Four checkpoints of one run (made from one by moving its weights apart): every float
+    tensor is the mean of the four, in its own dtype; other tensors are kept; the step is the
+    newest one's."""
+    ckpt = load_checkpoint(step_checkpoints(run_copy)[-1])
+    torch.manual_seed(0)
+    paths, models = [], []
+    for i in range(4):
+        model = {k: v + i * torch.randn_like(v) if v.is_floating_point() else v for k, v in ckpt["model"].items()}
+        paths.append(run_copy / "checkpoints" / f"step_{1000 + i}.pt")
+        atomic_save({**ckpt, "model": model, "step": 1000 + i}, paths[-1])
+        models.append(model)
+    avg = average_checkpoints(paths)
+    assert avg["model"].keys() == ckpt["model"].keys() and avg["step"] == 1003
+    assert any(not torch.equal(models[0][k], models[3][k]) for k in ckpt["model"])
+    for key, value in avg["model"].items():
+        assert value.dtype == ckpt["model"][key].dtype, key
+        want = torch.stack([m[key].double() for m in models]).mean(0)
+        assert torch.allclose(value.double(), want, atol=1e-6), key
+
+
 def test_average_command_as_best_keeps_the_old_best(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpts = run_copy / "checkpoints"
     old_best = (ckpts / "best.pt").read_bytes()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+import sacrebleu
 import torch
 
 from mtx.cli import _hypotheses_name, build_parser, int_in, main, usable_cpus
@@ -85,9 +86,16 @@ def test_train_translate_eval_round_trip(tmp_path: Path, small_data: Path) -> No
     assert len((run_dir / "eval" / "test_2016_flickr.beam2.finished.en").read_text().splitlines()) == 100
 
     src, ref = str(small_data / "val.de"), str(small_data / "val.en")
-    r = mtx("eval", "--run", str(run_dir), "--src", src, "--ref", ref, "--json")
+    r = mtx("eval", "--run", str(run_dir), "--src", src, "--ref", ref, "--json", "--lowercase")
     result = json.loads(r.stdout.decode())
     assert r.returncode == 0 and result["sentences"] == 200 and 0 <= result["bleu"] <= 100
+    # the scores are sacreBLEU's own of the hypotheses written against the references given
+    hyps = Path(result["hypotheses"]).read_text(encoding="utf-8").splitlines()
+    refs = (small_data / "val.en").read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == len(refs) == 200
+    assert result["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
+    assert result["bleu_lowercase"] == round(sacrebleu.corpus_bleu(hyps, [refs], lowercase=True).score, 2)
+    assert result["chrf"] == round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2)
 
     # a second train into the same directory is refused and changes nothing
     before = (run_dir / "checkpoints" / "last.pt").read_bytes()

@@ -24,6 +24,22 @@ def drop_words(lines: list[str], p: float, seed: int) -> list[str]:
     return [" ".join(w for w in line.split() if rng.random() >= p) for line in lines]
 
 
+def test_scores_are_sacrebleus_own_with_its_signatures(refs: list[str]) -> None:
+    """BLEU (13a, cased; lowercased on request) and chrF (not chrF++) as sacreBLEU computes
+    them, with sacreBLEU's signatures."""
+    import sacrebleu
+
+    hyps = drop_words(refs, 0.3, 0)
+    scores, low = corpus_scores(hyps, refs), corpus_scores(hyps, refs, lowercase=True)
+    assert scores.bleu == sacrebleu.corpus_bleu(hyps, [refs]).score
+    assert low.bleu == sacrebleu.corpus_bleu(hyps, [refs], lowercase=True).score
+    assert scores.chrf == sacrebleu.corpus_chrf(hyps, [refs]).score
+    version = sacrebleu.__version__
+    assert scores.bleu_signature == f"nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:{version}"
+    assert low.bleu_signature == f"nrefs:1|case:lc|eff:no|tok:13a|smooth:exp|version:{version}"
+    assert scores.chrf_signature == f"nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:{version}"
+
+
 def test_bootstrap_intervals_are_seeded_and_bracket_the_score(refs: list[str]) -> None:
     hyps = drop_words(refs, 0.3, 0)
     plain, resampled = corpus_scores(hyps, refs), corpus_scores(hyps, refs, bootstrap=200)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import mtx.model
 from mtx.config import ModelConfig
 from mtx.data import Batch, ParallelIds, pad_ids
-from mtx.model import Seq2Seq, make_src_mask
+from mtx.model import Seq2Seq, make_src_mask, sinusoidal_positions
 from mtx.tokenizer import BOS, EOS, PAD
 from mtx.train import label_smoothed_loss
 
@@ -175,12 +176,43 @@ def test_beams_sharing_one_memory_row_equal_an_expanded_memory(cached: bool) -> 
 
 
 def test_weight_tying() -> None:
+    """Tied: the logits are products with the target embedding itself (the source one too with a
+    joint vocabulary), and a loss on them trains that embedding; untied: their own projection."""
     joint = _model(joint=True)
     assert joint.src_embed is joint.tgt_embed and joint.output_proj is None
     split = _model(joint=False)
     assert split.src_embed is not split.tgt_embed and split.output_proj is None
     untied = _model(tie=False)
     assert untied.output_proj is not None
+    for model, table in ((joint, joint.src_embed), (split, split.tgt_embed), (untied, untied.output_proj)):
+        weight = table.tokens.weight if table is not untied.output_proj else table.weight
+        assert model.output_weight.data_ptr() == weight.data_ptr()
+        states = torch.randn(3, model.cfg.d_model)
+        assert torch.equal(model.project(states), states @ weight.t())
+        model.project(states).sum().backward()
+        assert weight.grad is not None and weight.grad.abs().sum() > 0
+    assert split.project(torch.randn(2, split.cfg.d_model)).shape == (2, V + 7)  # the target vocabulary
+    assert split.src_embed.tokens.weight.grad is None  # the source embedding is not the output
+
+
+def test_sinusoidal_positions_are_vaswanis_and_added_to_scaled_embeddings() -> None:
+    """The table is rebuilt at every load (not saved): its values are pinned here, so a change
+    cannot silently break trained checkpoints. PE(p, 2i) = sin(p / 10000^(2i/D)), PE(p, 2i+1) =
+    cos(the same); an embedding is the token's row times sqrt(D) plus its position's row."""
+    table = sinusoidal_positions(50, 8)
+    assert table[0].tolist() == [0.0, 1.0] * 4
+    pos = torch.arange(50, dtype=torch.float64)[:, None]
+    angle = pos / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    assert torch.allclose(table[:, 0::2].double(), angle.sin(), atol=1e-5)
+    assert torch.allclose(table[:, 1::2].double(), angle.cos(), atol=1e-5)
+    assert table[1, 0].item() == pytest.approx(math.sin(1.0)) and table[1, 7].item() == pytest.approx(math.cos(1e-3))
+    model = _model()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    embed = model.src_embed
+    want = embed.tokens.weight[ids] * math.sqrt(model.cfg.d_model) + sinusoidal_positions(64, 32)[:4]
+    assert torch.allclose(embed(ids), want, atol=1e-6)
+    later = want - sinusoidal_positions(64, 32)[:4] + sinusoidal_positions(64, 32)[3:7]  # a cached step's offset
+    assert torch.allclose(embed(ids, offset=3), later, atol=1e-6)
 
 
 @NORMS

@@ -166,13 +166,15 @@ def test_restricted_output_loss_is_cross_entropy_over_the_chosen_rows() -> None:
     assert model.output_columns(torch.tensor([5, 3])).tolist() == [1, 1]  # outside -> UNK's column
     src = torch.randint(4, vocab, (3, 7))
     tgt = ids[torch.randint(2, len(ids), (3, 6))]
-    batch = Batch(src, torch.cat([torch.full((3, 1), 1), tgt[:, :-1]], 1), tgt, 21, 18)
+    tgt[0, 4:] = PAD  # padding positions add nothing to the loss
+    batch = Batch(src, torch.cat([torch.full((3, 1), 1), tgt[:, :-1]], 1), tgt, 21, 16)
     loss = label_smoothed_loss(model, batch, 0.1)
     (grad,) = torch.autograd.grad(loss, model.tgt_embed.tokens.weight)
     logits = model(batch.src, batch.tgt_in)
     assert logits.shape == (3, 6, len(ids))
+    columns = model.output_columns(tgt).masked_fill(tgt == PAD, -100)
     want = F.cross_entropy(
-        logits.reshape(-1, len(ids)), model.output_columns(tgt).reshape(-1), label_smoothing=0.1, reduction="sum"
+        logits.reshape(-1, len(ids)), columns.reshape(-1), ignore_index=-100, label_smoothing=0.1, reduction="sum"
     )
     (want_grad,) = torch.autograd.grad(want, model.tgt_embed.tokens.weight)
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
@@ -332,11 +334,32 @@ def test_auto_trains_in_bf16_only_where_bf16_products_are_measured_fast(
 @pytest.mark.parametrize(
     "regulariser", [["train.rdrop=1.0"], ["train.word_dropout=0.2", "train.tgt_word_dropout=0.1"]], ids=str
 )
-def test_regularised_training_learns(tmp_path: Path, small_data: Path, regulariser: list[str]) -> None:
+def test_regularised_training_learns(
+    tmp_path: Path, small_data: Path, regulariser: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training with R-Drop or word dropout learns, and each step applies the configured one
+    (R-Drop's loss with its weight; word dropout at its rates on both sides)."""
+    calls: list[tuple[str, float]] = []
+    rdrop, words = train_module.rdrop_loss, train_module.drop_words
+
+    def recording_rdrop(*args: object, alpha: float, **kwargs: object) -> torch.Tensor:
+        calls.append(("rdrop", alpha))
+        return rdrop(*args, alpha=alpha, **kwargs)
+
+    def recording_words(ids: torch.Tensor, p: float) -> torch.Tensor:
+        calls.append(("words", p))
+        return words(ids, p)
+
+    monkeypatch.setattr(train_module, "rdrop_loss", recording_rdrop)
+    monkeypatch.setattr(train_module, "drop_words", recording_words)
     run = tmp_path / "run"
     extra = ["train.max_steps=80", "train.eval_every=80", "train.log_every=20", *regulariser]
     assert main(tiny_args(small_data, run, *[a for s in extra for a in ("--set", s)])) == 0
     assert _final_loss(run) < 5.5  # it learned (starts near ln(1000) = 6.9), R-Drop's KL term included
+    if "train.rdrop=1.0" in regulariser:
+        assert len(calls) >= 80 and set(calls) == {("rdrop", 1.0)}  # every step's loss
+    else:
+        assert len(calls) >= 160 and set(calls) == {("words", 0.2), ("words", 0.1)}  # source and target
 
 
 def test_word_dropout_replaces_pieces_by_unk_and_keeps_special_ids() -> None:
@@ -437,3 +460,48 @@ def test_train_threads_beyond_the_cpus_warn_and_use_the_cpus(caplog: pytest.LogC
         assert train_module._thread_count(1) == 1 and not caplog.records
         assert train_module._thread_count(100_000) == cpus
     assert f"train.threads=100000 is more than the {cpus} CPUs here" in caplog.text
+
+
+def test_training_clips_the_gradient_and_updates_at_the_scheduled_rate(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through `mtx train`: `train.clip_norm` scales each step's gradient down to that norm
+    (never up; 0: no clipping), and each update runs at the schedule's rate for its own
+    (1-based) step, warmup included."""
+    from mtx.config import load_config
+
+    from .conftest import TINY_CONFIG
+
+    seen: list[tuple[float, float]] = []  # (gradient norm, learning rate) at each update
+    make = train_module.make_optimizer
+
+    def recording(*args: object, **kwargs: object) -> torch.optim.Optimizer:
+        optimizer = make(*args, **kwargs)
+
+        def record(opt: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
+            grads = [p.grad.norm() for group in opt.param_groups for p in group["params"] if p.grad is not None]
+            seen.append((float(torch.linalg.vector_norm(torch.stack(grads))), opt.param_groups[0]["lr"]))
+
+        optimizer.register_step_pre_hook(record)
+        return optimizer
+
+    monkeypatch.setattr(train_module, "make_optimizer", recording)
+
+    def first_steps(clip: float) -> tuple[list[float], list[float]]:
+        seen.clear()
+        sets = ["model.dropout=0.0", "train.max_steps=3", f"train.clip_norm={clip}", "train.eval_sentences=5"]
+        sets += ["train.device=cpu", "train.amp=fp32"]
+        args = tiny_args(mini_data, tmp_path / f"clip{clip}", *[a for s in sets for a in ("--set", s)])
+        assert main(args) == 0
+        return [n for n, _ in seen], [lr for _, lr in seen]
+
+    free, rates = first_steps(0.0)
+    tc = load_config(TINY_CONFIG).train
+    assert rates == pytest.approx([learning_rate(k, tc, 64) for k in (1, 2, 3)], rel=1e-12)
+    assert rates[0] < rates[1] < rates[2] <= tc.lr  # warming up from the first update on
+    assert free[0] > 0.05  # a gradient worth clipping
+    clipped, _ = first_steps(free[0] / 10)
+    assert clipped[0] == pytest.approx(free[0] / 10, rel=1e-5)  # the same first gradient, scaled down
+    assert all(n <= free[0] / 10 * (1 + 1e-5) for n in clipped)
+    loose, _ = first_steps(free[0] * 10)
+    assert loose[0] == pytest.approx(free[0], rel=1e-6)  # below the bound: untouched
