@@ -125,6 +125,26 @@ def test_bf16_decoding_attends_in_float32(float32_self: bool) -> None:
     assert (uncached.float() - want).abs().max() < 0.05 * scale
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_steps_ignore_the_memory_at_padded_positions(dtype: torch.dtype) -> None:
+    """Cached decoding steps (cross-attention keys/values made once, in float32 for bf16 weights)
+    give the same logits whatever the memory holds where the source is padding."""
+    model = _model().to(dtype)
+    src = _src()
+    mask = make_src_mask(src)
+    assert not mask[1].all()  # the second sentence is padded
+    memory = model.encode(src, mask)
+    garbage = memory.clone()
+    garbage[1, 4:] = 1e3 * torch.randn_like(garbage[1, 4:])
+    tgt = torch.tensor([[BOS, 20, 21, 22], [BOS, 24, 25, 26]])
+    for float32_self in (False, True):
+        steps = []
+        for mem in (memory, garbage):
+            cache = model.new_cache(float32_self)
+            steps.append(torch.cat([model.decode(tgt[:, t : t + 1], mem, mask, cache) for t in range(4)], dim=1))
+        assert torch.allclose(steps[0].float(), steps[1].float(), atol=1e-6)
+
+
 @pytest.mark.parametrize("inference", [True, False])
 def test_cache_follows_reorders_and_drops(inference: bool) -> None:
     """Rows reordered, repeated and dropped between steps as in beam search (sometimes twice
