@@ -17,6 +17,58 @@ def test_round_trip_through_yaml(tmp_path: Path) -> None:
     assert from_dict(to_dict(cfg)) == cfg
 
 
+# a value other than the default for the keys that a generic one does not fit, and the other keys
+# each of them needs
+OTHER_VALUES: dict[str, object] = {
+    "data.dir": "/data/multi30k", "data.src_lang": "no", "data.tgt_lang": "fr", "data.extra_src_langs": ["fr", "cs"],
+    "data.valid_split": "test_2016_flickr", "model.d_model": 512, "model.n_heads": 8, "model.norm": "scale",
+    "train.schedule": "linear", "train.optimizer": "adamw", "train.amp": "bf16", "train.device": "cpu",
+    "train.adam_betas": [0.8, 0.99], "train.init_from": "~/runs/other", "train.diversify": 0.3,
+    "decode.stop": "finished", "decode.precision": "bf16",
+}  # fmt: skip
+NEEDS: dict[str, dict[str, object]] = {
+    "data.extra_src_langs": {"train.extra_sources": 0.5},
+    "train.diversify": {"train.bidirectional": 0.5},
+    "train.extra_sources": {"data.extra_src_langs": ["fr"]},
+}
+
+
+def _other_value(key: str, default: object) -> list[object]:
+    if key in OTHER_VALUES:
+        return [OTHER_VALUES[key]]
+    if isinstance(default, bool):
+        return [not default]
+    if isinstance(default, int):
+        return [default + 1, default * 2 + 2]
+    if isinstance(default, float):
+        return [v for v in (default + 0.25, default / 2, 0.5) if v != default]
+    return [f"other-{key}"]
+
+
+def test_every_key_round_trips_through_yaml(tmp_path: Path) -> None:
+    """Each key set to a value other than its default (with the keys it needs) is saved and
+    loaded back as that value: no key is dropped, retyped or reset on the way."""
+    defaults = to_dict(Config())
+    for section, values in defaults.items():
+        for name, default in values.items():
+            key = f"{section}.{name}"
+            for value in _other_value(key, default):
+                raw = to_dict(Config())
+                raw[section][name] = value
+                for other, v in NEEDS.get(key, {}).items():
+                    raw[other.split(".")[0]][other.split(".")[1]] = v
+                try:
+                    cfg = from_dict(raw)
+                    break
+                except ConfigError:
+                    continue
+            else:
+                pytest.fail(f"no valid other value for {key}: add one to OTHER_VALUES")
+            assert to_dict(cfg)[section][name] == value != default, key
+            save_config(cfg, tmp_path / "c.yaml")
+            assert load_config(tmp_path / "c.yaml") == cfg, key
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_shipped_configs_load(name: str) -> None:
     assert isinstance(load_config(REPO / "configs" / name), Config)
