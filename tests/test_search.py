@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import time
 from pathlib import Path
@@ -94,37 +95,47 @@ def test_beam_one_equals_greedy(run: LoadedRun, src_ids: list[list[int]]) -> Non
     assert [h.log_prob for h in greedy] == pytest.approx([b[0].log_prob for b in beam], abs=1e-4)
 
 
-@pytest.mark.parametrize("restricted", [False, True])
+@pytest.mark.parametrize("kind", ["whole vocabulary", "restricted output", "ensemble"])
 @pytest.mark.parametrize("alpha", [0.0, 1.4])
-def test_an_exhaustive_beam_returns_the_best_sequences_found_by_enumeration(restricted: bool, alpha: float) -> None:
+def test_an_exhaustive_beam_returns_the_best_sequences_found_by_enumeration(kind: str, alpha: float) -> None:
     """Against an independent reference: every output of up to 4 tokens (EOS included) of a
-    small random model, scored by recomputing each whole prefix. A beam as wide as all of them
-    must return the best 10 in order, with their scores, whatever the exact stop leaves out."""
+    small random model (an ensemble: the mean of two models' probabilities, each model run on
+    its own), scored by recomputing each whole prefix. A beam as wide as all of them must return
+    the best 10 in order, with their scores, whatever the exact stop leaves out."""
     torch.manual_seed(7)
     cfg = ModelConfig(
         d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=2, dropout=0.0, max_positions=16
     )
+    restricted = kind == "restricted output"
     output_ids = torch.arange(4, 20, 3) if restricted else None  # 6 pieces + EOS + UNK: 8 columns
-    model = Seq2Seq(cfg, 20 if restricted else 7, 20 if restricted else 7, True, output_ids=output_ids).eval()
+    vocab = 20 if restricted else 7
+    members = [
+        Seq2Seq(cfg, vocab, vocab, True, output_ids=output_ids).eval() for _ in range(2 if kind == "ensemble" else 1)
+    ]
     with torch.no_grad():  # peakier distributions than an untrained model's: fewer near-ties
-        model.src_embed.tokens.weight.mul_(3.0)
+        for m in members:
+            m.src_embed.tokens.weight.mul_(3.0)
+    model = Ensemble(members) if kind == "ensemble" else members[0]
     src = _batch([[4, 5, 6], [5, 4], [6]])
     columns = 8 if restricted else 7
     cap, beam = 4, columns * (columns - 1) ** 2  # all candidates of the widest step in the top `beam`
     found = beam_search(model, src, beam, alpha, 0.0, cap, nbest=10)
+    tokens = members[0].output_tokens(torch.arange(columns)).tolist()
     with torch.no_grad():
         for i in range(src.shape[0]):
             one = src[i : i + 1]
             mask = make_src_mask(one)
-            memory = model.encode(one, mask)
+            memories = [m.encode(one, mask) for m in members]
             scored: list[tuple[float, list[int]]] = []
             prefixes: list[tuple[list[int], float]] = [([], 0.0)]
             for length in range(1, cap + 1):
                 tgt = torch.tensor([[BOS, *p] for p, _ in prefixes])
                 n = len(prefixes)
-                lp = model.decode(tgt, memory.expand(n, -1, -1), mask.expand(n, *mask.shape[1:]), None)
-                lp = lp[:, -1].float().log_softmax(dim=-1)
-                tokens = model.output_tokens(torch.arange(columns)).tolist()
+                each = [
+                    m.decode(tgt, mem.expand(n, -1, -1), mask.expand(n, *mask.shape[1:]), None)[:, -1].log_softmax(-1)
+                    for m, mem in zip(members, memories, strict=True)
+                ]
+                lp = torch.stack(each).logsumexp(dim=0) - math.log(len(members))  # log of the mean probability
                 grown = []
                 for (prefix, total), row in zip(prefixes, lp.tolist(), strict=True):
                     for column, token in enumerate(tokens):
