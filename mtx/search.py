@@ -267,7 +267,7 @@ def beam_search(
                 finished[sentences[i]].append(Hypothesis(tokens[row, 1:].tolist(), raw / penalty, raw))
 
         # continue with the K best candidates that do not end here; where fewer than K do (an
-        # output vocabulary smaller than the beam), EOS candidates fill the beam as dead rows
+        # output vocabulary of at most K columns), EOS candidates fill the beam as dead rows
         order = (is_eos.long() * (2 * k) + torch.arange(2 * k, device=device)).argsort(dim=1)[:, :k]
         scores = top_scores.gather(1, order).masked_fill(is_eos.gather(1, order), float("-inf"))  # (m, K), sorted
         rows = (torch.arange(m, device=device)[:, None] * width + top_beam.gather(1, order)).view(-1)
