@@ -120,6 +120,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
     The file must be a complete torch.save zip archive whose members pass their CRC check,
     so truncated or bit-flipped files are errors rather than silently wrong weights."""
+    if path.is_dir():
+        raise CheckpointError(f"{path}: a directory, not a checkpoint file; give RUN/checkpoints/NAME.pt")
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint not found")
     try:

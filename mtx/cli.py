@@ -6,11 +6,13 @@ User mistakes end as one line `mtx: error: ...` on stderr and a non-zero exit co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -174,7 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_decode_options(p)
     p.add_argument(
         "--split",
-        default="test_2016_flickr",
         help="split name in the data directory (default: test_2016_flickr); the official Multi30k test sets "
         "test_2017_flickr, test_2017_mscoco and test_2018_flickr are downloaded into ~/.cache/mtx/multi30k "
         "if the directory lacks them",
@@ -223,7 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
         "run's tokenizers, for decoding without torch; --quantization int8 makes it smaller and faster on CPUs.",
     )
     p.add_argument("--run", required=True, type=Path, help="run directory written by mtx train")
-    p.add_argument("--checkpoint", type=Path, help="checkpoint file (default: the run's best.pt, else last.pt)")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        action="append",
+        default=[],
+        help="checkpoint file (default: the run's best.pt, else last.pt); one: average several first",
+    )
     p.add_argument("--out", type=Path, help="new directory to write (default: RUN/ctranslate2-QUANTIZATION)")
     p.add_argument(
         "--quantization", choices=QUANTIZATIONS, default="float32", help="CTranslate2 weight type (default: float32)"
@@ -382,35 +389,61 @@ def cmd_translate(args: argparse.Namespace) -> int:
                 stop=stop,
                 progress=bar.update,
             )
-            for i, h in enumerate(hyps, before):
-                if args.nbest == 1:
-                    out.write(run.tgt_tok.decode_batch([h[0].tokens])[0] + "\n")
-                else:
-                    for text, hyp in zip(run.tgt_tok.decode_batch([x.tokens for x in h]), h, strict=True):
-                        out.write(f"{i} ||| {text} ||| {hyp.score:.4f}\n")
-            out.flush()
+            with _named_os_errors("standard output"):
+                for i, h in enumerate(hyps, before):
+                    if args.nbest == 1:
+                        out.write(run.tgt_tok.decode_batch([h[0].tokens])[0] + "\n")
+                    else:
+                        for text, hyp in zip(run.tgt_tok.decode_batch([x.tokens for x in h]), h, strict=True):
+                            out.write(f"{i} ||| {text} ||| {hyp.score:.4f}\n")
+                out.flush()
     return 0
+
+
+@contextlib.contextmanager
+def _named_os_errors(name: str) -> Iterator[None]:
+    """An error writing to an opened stream (a full disk: `No space left on device`) names the
+    stream or file, which the system's error does not."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), name) from None
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from mtx.checkpoint import load_run
     from mtx.export import export_ctranslate2
 
-    run = load_run(args.run, [args.checkpoint] if args.checkpoint else [])
+    if len(args.checkpoint) > 1:
+        raise MtxError("export takes one --checkpoint; average several first (mtx average) and export the average")
+    if args.out is not None:
+        _check_parents("--out", args.out)
+        if args.out.exists() and not args.out.is_dir():
+            raise MtxError(f"--out {args.out} is a file; give a new directory for the exported model")
+    run = load_run(args.run, args.checkpoint)
     out = args.out or args.run / f"ctranslate2-{args.quantization}"
     export_ctranslate2(run, out, args.quantization)
     print(json.dumps({"ctranslate2_model": str(out), "quantization": args.quantization}))
     return 0
 
 
-def _hypotheses_name(args: argparse.Namespace, split: str, beam: int, stop: str, cfg: Config) -> str:
-    """`eval`'s default hypotheses file: SPLIT.beamN.LANG for the run's own checkpoint in fp32; the
-    checkpoints given, the inexact stop and bf16 add their tags, so those outputs do not replace it."""
+def _hypotheses_name(
+    args: argparse.Namespace, split: str, beam: int, stop: str, cfg: Config, alpha: float | None = None
+) -> str:
+    """`eval`'s default hypotheses file: SPLIT.beamN.LANG for the run's own checkpoint in fp32 with
+    the run's length penalty; the checkpoints given, another length penalty (`alpha`), the inexact
+    stop and bf16 add their tags, so those outputs do not replace it."""
     tags = []
     if args.checkpoint:
         stems = "+".join(path.name.removesuffix(".pt") for path in args.checkpoint)
         tags.append(stems if len(stems) <= 100 else f"ensemble{len(args.checkpoint)}")
     tags.append(f"beam{beam}")
+    if beam > 1 and alpha is not None and alpha != cfg.decode.length_penalty:
+        tags.append(f"lp{alpha:g}")
     if beam > 1 and stop == "finished":
         tags.append("finished")
     if _precision(args, cfg) != "fp32":
@@ -418,11 +451,22 @@ def _hypotheses_name(args: argparse.Namespace, split: str, beam: int, stop: str,
     return ".".join([split, *tags, cfg.data.tgt_lang])
 
 
+def _check_parents(option: str, path: Path) -> None:
+    """An output path under a regular file (`afile/x.en`) is one line naming that file, not the
+    system's "File exists" or "Not a directory" about another name."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise MtxError(f"{option} {path}: {parent} is a file, not a directory")
+            return
+
+
 def _check_output(output: Path, inputs: dict[str, list[Path | None]]) -> None:
     """Before decoding, so that a bad output path fails at once: `output` must be a file path in a
     writable directory (created if missing), and none of the files this command reads."""
     if output.is_dir():
         raise MtxError(f"--output {output} is a directory; give the hypotheses file's path")
+    _check_parents("--output", output)
     for option, paths in inputs.items():
         for path in paths:
             if path is not None and output.exists() and path.exists() and output.samefile(path):
@@ -445,6 +489,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if (args.src is None) != (args.ref is None):
         raise MtxError("--src and --ref go together (source file and reference file)")
+    if args.src is not None and (args.split is not None or args.data_dir is not None):
+        raise MtxError("--src/--ref replace --split and --data-dir; give one or the other")
+    args.split = args.split or "test_2016_flickr"
     if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
     cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
@@ -474,7 +521,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if len(lines) != len(src):
             raise MtxError(f"--paired {path}: {len(lines)} lines for the {len(src)} sentences of {name}")
     run = _load(args)
-    output = args.output or args.run / "eval" / _hypotheses_name(args, name, beam, stop, cfg)
+    output = args.output or args.run / "eval" / _hypotheses_name(args, name, beam, stop, cfg, alpha)
     _check_output(output, {"--paired": args.paired, "--src": [args.src], "--ref": [args.ref]})
     with _progress_bar(f"decoding {name}", len(src)) as bar:
         text = translate(
@@ -492,7 +539,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             progress=bar.update,
         )
     if _written_through(output):
-        with open(output, "w", encoding="utf-8") as f:
+        with _named_os_errors(str(output)), open(output, "w", encoding="utf-8") as f:
             f.write("".join(t + "\n" for t in text))
     else:
         atomic_write_text(output, "".join(t + "\n" for t in text))
@@ -502,16 +549,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "split": name,
         "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}",
         "beam": beam,
+        "length_penalty": alpha,
         "stop": stop,
         "precision": _precision(args, cfg),
+        "checkpoints": [str(p) for p in args.checkpoint],
         "sentences": len(src),
         **scores.as_dict(),
         "hypotheses": str(output),
     }
     if args.lowercase:
-        low = corpus_scores(text, ref, lowercase=True)
+        low = corpus_scores(text, ref, lowercase=True, bootstrap=args.bootstrap)
         result["bleu_lowercase"] = round(low.bleu, 2)
         result["bleu_lowercase_signature"] = low.bleu_signature
+        if low.bleu_ci is not None:
+            result["bleu_lowercase_mean"] = round(low.bleu_mean, 2)
+            result["bleu_lowercase_ci"] = round(low.bleu_ci, 2)
     if paired:
         result["paired"] = [r.as_dict() for r in paired]
     if args.json:
@@ -524,7 +576,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     print(f"BLEU {scores.bleu:6.2f}{_interval(scores.bleu_mean, scores.bleu_ci)}  {scores.bleu_signature}")
     if args.lowercase:
-        print(f"BLEU {result['bleu_lowercase']:6.2f}  {result['bleu_lowercase_signature']}  (lowercased)")
+        print(f"BLEU {low.bleu:6.2f}{_interval(low.bleu_mean, low.bleu_ci)}  {low.bleu_signature}  (lowercased)")
     print(f"chrF {scores.chrf:6.2f}{_interval(scores.chrf_mean, scores.chrf_ci)}  {scores.chrf_signature}")
     for r in paired:
         print(
@@ -553,6 +605,12 @@ def _interval(mean: float | None, ci: float | None) -> str:
 def cmd_average(args: argparse.Namespace) -> int:
     from mtx.checkpoint import average_run
 
+    if args.out is not None:
+        _check_parents("--out", args.out)
+        if args.out.is_dir():
+            raise MtxError(f"--out {args.out} is a directory; give the average's file path")
+        if args.out.exists() and not args.out.is_file():  # a device or a pipe: never replaced by a file
+            raise MtxError(f"--out {args.out} is not a regular file; give a file path for the average")
     out, chosen = average_run(args.run, args.last, args.out, args.as_best)
     print(f"averaged {len(chosen)} checkpoints ({', '.join(p.name for p in chosen)}) into {out}")
     if len(chosen) < args.last:
@@ -570,6 +628,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from mtx.plot import plot_runs
 
     default = args.run[0] / "curves.png" if len(args.run) == 1 else Path("compare.png")
+    if args.out is not None:
+        _check_parents("--out", args.out)
+        if args.out.is_dir():
+            raise MtxError(f"--out {args.out} is a directory; give the image's file path")
     print(plot_runs(args.run, args.out or default, args.x))
     return 0
 

@@ -456,6 +456,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str = "--s
     valid = set(_all_keys())
     for text in overrides:
         key, value = parse_override(text)
+        if key in _section_types():
+            example = next(k for k in _all_keys() if k.startswith(f"{key}."))
+            raise ConfigError(f"{where} {text}: {key} is a section; set one of its keys, e.g. {example}=...")
         if key not in valid:
             raise _unknown(key, where)
         section, name = key.split(".", 1)

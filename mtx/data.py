@@ -230,6 +230,8 @@ def resolve_data_dir(cfg: DataConfig) -> Path:
     interrupted download left half-filled is completed, not taken as it is)."""
     if cfg.dir != "auto":
         path = Path(cfg.dir).expanduser()
+        if path.exists() and not path.is_dir():
+            raise DataError(f"data.dir: {path} is a file, not a directory; set data.dir to a data dir")
         if not path.is_dir():
             raise DataError(f"data.dir: directory {path} does not exist; set data.dir to a data dir")
         return path.resolve()

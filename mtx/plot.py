@@ -27,6 +27,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def _numbered_events(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
     path = run_dir / "metrics.jsonl"
+    if not run_dir.is_dir():
+        raise MtxError(f"{run_dir}: run directory not found")
     if not path.is_file():
         raise MtxError(f"{run_dir}: no metrics.jsonl; is this an mtx run directory?")
     events = []

@@ -893,7 +893,7 @@ class Trainer:
         log.info(
             "initialised from %s (its step %s): weights and tokenizer; optimizer, schedule and steps start afresh",
             path,
-            ckpt.get("state", {}).get("step", "?"),
+            ckpt.get("step", "?"),  # every checkpoint's top level (the training state only in last.pt)
         )
 
     def _restore(self) -> None:
@@ -927,6 +927,11 @@ class Trainer:
             raise CheckpointError(
                 f"{path}: cannot restore the training state ({e.__class__.__name__}: {str(e)[:100]})"
             ) from None
+        if self.state.step > self.cfg.train.max_steps:  # before anything is written: a mistake, not a run to end
+            raise MtxError(
+                f"{path}: the run is at step {self.state.step}, past train.max_steps={self.cfg.train.max_steps}; "
+                "resume with a larger train.max_steps (the run is unchanged)"
+            )
         if not same_ranks and self.ranks.rank:
             torch.manual_seed(rank_seed(self.cfg.train.seed, self.ranks.rank, self.state.step))
         if self.state.world_size != self.ranks.world_size:
@@ -1407,11 +1412,18 @@ def _remove_contents(run_dir: Path, keep_dir: bool) -> None:
             path.unlink(missing_ok=True)
 
 
+def unfinished_start(run_dir: Path) -> bool:
+    """Whether `run_dir` holds a start that ended before its first checkpoint (killed with
+    `kill -9`, or a machine that went down, while the tokenizer trained): a config.yaml and no
+    checkpoint, so nothing trained to lose."""
+    return (run_dir / ckpt_io.CONFIG_FILE).is_file() and not any(ckpt_io.checkpoint_dir(run_dir).glob("*.pt"))
+
+
 def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
     """Refuse to overwrite another run, or to resume one that has no last.pt; writes nothing.
 
-    A directory with no checkpoint and the same config (a start that failed or was killed before
-    its first save) may be reused."""
+    A start that ended before its first checkpoint (`unfinished_start`) may be started again in
+    its directory, with its own config or another one."""
     config_path = run_dir / ckpt_io.CONFIG_FILE
     if resume:
         if not (ckpt_io.checkpoint_dir(run_dir) / "last.pt").is_file():
@@ -1422,18 +1434,12 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
         return
     if run_dir.exists() and not run_dir.is_dir():
         raise MtxError(f"{run_dir}: exists and is not a directory; choose another --run-dir")
-    if run_dir.exists() and any(run_dir.iterdir()):
-        same_start = (
-            not any(ckpt_io.checkpoint_dir(run_dir).glob("*.pt"))
-            and config_path.is_file()
-            and config_path.read_text(encoding="utf-8", errors="replace") == config_text(cfg)
-        )
-        if not same_start and not config_path.is_file():
+    if run_dir.exists() and any(run_dir.iterdir()) and not unfinished_start(run_dir):
+        if not config_path.is_file():
             raise MtxError(f"{run_dir}: directory holds other files, not an mtx run; choose a new or empty --run-dir")
-        if not same_start:
-            raise MtxError(
-                f"{run_dir}: run directory already holds a run; continue it with --resume or choose a new --run-dir"
-            )
+        raise MtxError(
+            f"{run_dir}: run directory already holds a run; continue it with --resume or choose a new --run-dir"
+        )
 
 
 def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
@@ -1445,6 +1451,16 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
     check_run_dir(run_dir, cfg, resume)
     if not resume:
         source = init_source(cfg)
+        if run_dir.is_dir() and unfinished_start(run_dir):
+            previous = (run_dir / ckpt_io.CONFIG_FILE).read_text(encoding="utf-8", errors="replace")
+            if previous != config_text(cfg):
+                note = "%s held a start that ended before its first checkpoint, with another config: starting anew"
+                log.warning(note, run_dir)
+            for name in (ckpt_io.CONFIG_FILE, "train.log", "metrics.jsonl"):  # what a start writes
+                (run_dir / name).unlink(missing_ok=True)
+            for path in run_dir.glob("tokenizer*.json"):
+                path.unlink()
+            shutil.rmtree(ckpt_io.checkpoint_dir(run_dir), ignore_errors=True)  # no .pt: temporary files at most
         run_dir.mkdir(parents=True, exist_ok=True)
         paths = tokenizer_paths(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
         for path in set(paths):
@@ -1504,8 +1520,13 @@ def init_source(cfg: Config) -> tuple[Path, Path] | None:
         checkpoint = next((c for c in candidates if c.is_file()), None)
         if checkpoint is None:
             raise MtxError(f"train.init_from: {path} holds no checkpoints/best.pt or last.pt; train it first")
-    elif path.is_file():
+    elif path.is_file() and path.parent.name == ckpt_io.checkpoint_dir(path.parent.parent).name:
         checkpoint, run_dir = path, path.parent.parent  # RUN/checkpoints/NAME.pt
+    elif path.is_file():
+        raise MtxError(
+            f"train.init_from: {path} is a file outside a run's checkpoints/; give a run directory or "
+            "RUN/checkpoints/NAME.pt"
+        )
     else:
         raise MtxError(f"train.init_from: {path} not found; give a run directory or a checkpoint file of one")
     saved = to_dict(ckpt_io.load_run_config(run_dir))
@@ -1533,7 +1554,8 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     cfg = resolve_config(cfg)  # on resume too: a --set data.dir is recorded as the directory used
     check_run_dir(run_dir, cfg, resume)
     existed = run_dir.is_dir()
-    new_dir = not resume and not (existed and any(run_dir.iterdir()))  # this call writes all it holds
+    # this call writes all it holds (an unfinished start's files are removed first)
+    new_dir = not resume and (not (existed and any(run_dir.iterdir())) or unfinished_start(run_dir))
     failed_start = False
     if not resume:
         init_source(cfg)  # a bad train.init_from is an error before anything is written

@@ -98,14 +98,34 @@ def val_bleu(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--run", type=Path, required=True)
-    parser.add_argument("--last", type=counts, default="3,4,5,7,10", help="how many newest step checkpoints to average")
-    parser.add_argument("--length-penalty", type=penalties, default="0.6,0.8,1.0,1.2,1.4,1.6,2.0")
-    parser.add_argument("--beam", type=counts, default="", help="beam sizes to try (default: the config's)")
+    parser.add_argument("--run", type=Path, required=True, help="run directory written by mtx train")
     parser.add_argument(
-        "--ensemble", type=counts, default="2,4", help="ensembles of the newest N step checkpoints to try"
+        "--last",
+        type=counts,
+        default="3,4,5,7,10",
+        help="averages of the newest N step checkpoints to try, comma-separated (default: 3,4,5,7,10)",
     )
-    parser.add_argument("--threads", type=thread_count(), default=min(2, usable_cpus()))
+    parser.add_argument(
+        "--length-penalty",
+        type=penalties,
+        default="0.6,0.8,1.0,1.2,1.4,1.6,2.0",
+        help="length penalties to try on the best checkpoint, comma-separated (default: 0.6,0.8,1.0,1.2,1.4,1.6,2.0)",
+    )
+    parser.add_argument(
+        "--beam", type=counts, default="", help="beam sizes to try, comma-separated (default: the config's)"
+    )
+    parser.add_argument(
+        "--ensemble",
+        type=counts,
+        default="2,4",
+        help="ensembles of the newest N step checkpoints to try, comma-separated (default: 2,4)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=thread_count(),
+        default=min(2, usable_cpus()),
+        help=f"CPU threads, at most the CPUs here (default: {min(2, usable_cpus())})",
+    )
     parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     parser.add_argument("--apply", action="store_true", help="make the chosen average the run's best.pt")
     args = parser.parse_args()
@@ -195,6 +215,11 @@ def choose(args: argparse.Namespace) -> None:
         result["checkpoints"] = [str(p) for p in chosen]
         flags = " ".join(f"--checkpoint {p}" for p in chosen)
         print(f"decode it with: mtx eval --run {args.run} {flags} --length-penalty {best_alpha:g} --beam {best_beam}")
+        if args.apply:
+            print(
+                "--apply: an ensemble is several checkpoints, not one best.pt; "
+                f"{checkpoint_dir(args.run) / 'best.pt'} is unchanged"
+            )
     elif args.apply and chosen is not single_ckpt:
         print(f"{make_best(args.run, chosen)} is now the {name}")
     elif args.apply and single.name == BEST_SINGLE:  # an earlier average was best.pt

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import importlib.util
 import json
 import os
 import pty
 import select
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -273,10 +273,50 @@ def test_paths_that_cannot_be_written_are_one_line_errors(tmp_path: Path, small_
     blocker.write_text("x")
     assert_one_line_error(mtx(*tiny_args(small_data, blocker / "run")), f"{blocker / 'run'}: Not a directory")
     exported = mtx("export", "--run", str(tiny_run), "--out", str(blocker / "ct2"))
-    assert_one_line_error(exported, str(blocker) if importlib.util.find_spec("ctranslate2") else "needs CTranslate2")
+    assert_one_line_error(exported, f"--out {blocker / 'ct2'}: {blocker} is a file, not a directory")
     hypotheses = mtx("eval", "--run", str(tiny_run), "--split", "val", "--output", str(blocker / "h.en"))
-    assert_one_line_error(hypotheses, f"{blocker}: File exists")
+    assert_one_line_error(hypotheses, f"--output {blocker / 'h.en'}: {blocker} is a file, not a directory")
     assert blocker.read_text() == "x"
+
+
+def test_output_paths_that_are_not_files_or_not_what_the_command_takes_are_one_line_errors(
+    tmp_path: Path, small_data: Path, tiny_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Stop 52, each found by running the README's commands: `average --out` a device or pipe
+    (it was replaced by a regular file, /dev/null included), a directory or a path under a file;
+    `plot --out` a directory (it wrote DIR.png beside it); `export` with two --checkpoint (it
+    exported the last) or --out a file; `eval --src` beside --split (ignored); a checkpoint or
+    data directory that is of the other kind; a full disk names the stream written."""
+    blocker, pipe = tmp_path / "a_file", tmp_path / "a_pipe"
+    blocker.write_text("x")
+    os.mkfifo(pipe)
+    ckpts = tiny_run / "checkpoints"
+
+    def refused(argv: list[str], message: str) -> None:
+        assert main(argv) != 0
+        err = capsys.readouterr().err
+        assert err.startswith("mtx: error: ") and len(err.splitlines()) == 1 and message in err, err
+
+    average = ["average", "--run", str(tiny_run), "--last", "2", "--out"]
+    refused([*average, str(pipe)], f"--out {pipe} is not a regular file")
+    refused([*average, str(tmp_path)], f"--out {tmp_path} is a directory")
+    refused([*average, str(blocker / "avg.pt")], f"{blocker} is a file, not a directory")
+    assert stat.S_ISFIFO(pipe.stat().st_mode) and blocker.read_text() == "x"
+    refused(["plot", "--run", str(tiny_run), "--out", str(tmp_path)], f"--out {tmp_path} is a directory")
+    assert not tmp_path.with_suffix(".png").exists()
+    two = ["--checkpoint", str(ckpts / "step_100.pt"), "--checkpoint", str(ckpts / "step_200.pt")]
+    refused(["export", "--run", str(tiny_run), *two], "export takes one --checkpoint")
+    refused(["export", "--run", str(tiny_run), "--out", str(blocker)], f"--out {blocker} is a file")
+    src = ["--src", str(small_data / "val.de"), "--ref", str(small_data / "val.en")]
+    refused(["eval", "--run", str(tiny_run), "--split", "val", *src], "--src/--ref replace --split")
+    refused(["translate", "--run", str(tiny_run), "--checkpoint", str(ckpts), "x"], "a directory, not a checkpoint")
+    data = ["--set", f"data.dir={blocker}"]
+    refused(tiny_args(small_data, tmp_path / "run", *data), f"data.dir: {blocker} is a file, not a directory")
+    if Path("/dev/full").exists():  # Linux: every write fails with ENOSPC
+        with open("/dev/full", "wb") as out:
+            argv = [sys.executable, "-m", "mtx", "translate", "--run", str(tiny_run), "Ein Hund."]
+            full = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, cwd=REPO, env=_child_env(), timeout=600)
+        assert_one_line_error(full, "standard output: No space left on device")
 
 
 def test_translate_errors_on_a_finished_run(tiny_run: Path) -> None:
@@ -344,18 +384,24 @@ def test_eval_never_writes_over_a_file_it_reads_or_another_systems_hypotheses(
     )
 
 
-def test_eval_names_hypotheses_by_checkpoint_stop_and_precision() -> None:
+def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision() -> None:
     cfg = load_config(REPO / "configs" / "tiny.yaml")
 
     def name(*argv: str) -> str:
         args = build_parser().parse_args(["eval", "--run", "r", *argv])
-        return _hypotheses_name(args, "val", args.beam or 1, args.stop or "exact", cfg)
+        alpha = cfg.decode.length_penalty if args.length_penalty is None else args.length_penalty
+        return _hypotheses_name(args, "val", args.beam or 1, args.stop or "exact", cfg, alpha)
 
     assert name() == "val.beam1.en"
     assert name("--beam", "5", "--stop", "finished", "--precision", "bf16") == "val.beam5.finished.bf16.en"
     assert name("--beam", "1", "--stop", "finished") == "val.beam1.en"  # greedy has no stop to name
     assert name("--checkpoint", "a/step_7.pt", "--checkpoint", "b/avg.pt") == "val.step_7+avg.beam1.en"
     assert name(*["--checkpoint", "c/" + "x" * 60 + ".pt"] * 2) == "val.ensemble2.beam1.en"
+    # another length penalty than the run's is named (stop 52: it replaced the run's own file)
+    assert name("--beam", "5", "--length-penalty", "2") == "val.beam5.lp2.en"
+    assert name("--beam", "5", "--length-penalty", "0.6", "--stop", "finished") == "val.beam5.lp0.6.finished.en"
+    assert name("--beam", "5", "--length-penalty", str(cfg.decode.length_penalty)) == "val.beam5.en"
+    assert name("--beam", "1", "--length-penalty", "2") == "val.beam1.en"  # greedy has no penalty
 
 
 def test_eval_and_translate_in_bf16(tiny_run: Path, tmp_path: Path) -> None:

@@ -170,3 +170,8 @@ def test_override_errors() -> None:
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="config file not found"):
         load_config("/nonexistent/c.yaml")
+
+
+def test_a_section_given_as_a_key_names_its_keys() -> None:
+    with pytest.raises(ConfigError, match=r"--set train=5: train is a section; set one of its keys, e\.g\. train\."):
+        load_config(REPO / "configs" / "tiny.yaml", ["train=5"])

@@ -73,9 +73,12 @@ def test_eval_prints_intervals_and_paired_tests(
 ) -> None:
     first = tmp_path / "greedy.en"
     args = ["eval", "--run", str(tiny_run), "--split", "val", "--beam", "1"]
-    assert main([*args, "--output", str(first), "--bootstrap", "100", "--json"]) == 0
+    assert main([*args, "--output", str(first), "--bootstrap", "100", "--json", "--lowercase"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert {"bleu_mean", "bleu_ci", "chrf_mean", "chrf_ci"} <= set(result) and "bs:100" in result["bleu_signature"]
+    # the lowercased BLEU gets its interval too (stop 52)
+    assert {"bleu_lowercase_mean", "bleu_lowercase_ci"} <= set(result)
+    assert "case:lc" in result["bleu_lowercase_signature"] and "bs:100" in result["bleu_lowercase_signature"]
     # the same decoding against its own earlier output: identical, so no difference and p = 1
     assert main([*args, "--output", str(tmp_path / "again.en"), "--paired", str(first)]) == 0
     out = capsys.readouterr().out

@@ -731,6 +731,41 @@ def test_any_failure_while_setting_up_leaves_no_half_made_run(
     assert main(mini_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_every=2")) == 0
 
 
+def test_a_start_killed_before_its_first_checkpoint_starts_again_with_any_config(
+    tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kill -9` (or a machine going down) while the tokenizer trains leaves config.yaml, a
+    tokenizer and train.log, no checkpoint, and no cleanup runs. The hint of `--resume` (start it
+    again with its config.yaml) works, and so does a corrected config (stop 52: it was refused as
+    "already holds a run", so only removing the directory got out); a run with a checkpoint is
+    still never replaced."""
+    run = tmp_path / "run"
+    steps = ("--set", "train.max_steps=2", "--set", "train.eval_every=2")
+    assert main(mini_args(mini_data, run, *steps)) == 0
+    shutil.rmtree(run / "checkpoints")  # as a start killed before its first save leaves it
+    (run / "metrics.jsonl").unlink()
+    assert main(["train", "--run-dir", str(run), "--resume"]) == 1  # nothing to resume: the hint
+    assert main(["train", "--config", str(run / "config.yaml"), "--run-dir", str(run), *steps]) == 0
+    shutil.rmtree(run / "checkpoints")
+    other = ("--set", "model.d_model=32", "--set", "tokenizer.vocab_size=500")
+    capsys.readouterr()
+    assert main(mini_args(mini_data, run, *steps, *other)) == 0
+    assert "held a start that ended before its first checkpoint, with another config" in capsys.readouterr().err
+    assert load_run_config(run).model.d_model == 32 and load_checkpoint(run / "checkpoints" / "last.pt")
+    assert_one_line_error(mtx(*mini_args(mini_data, run, *steps)), "already holds a run")
+
+
+def test_a_resume_below_the_runs_step_is_refused_and_changes_nothing(tiny_run: Path, tmp_path: Path) -> None:
+    """`--resume --set train.max_steps=N` below the step reached: before, it validated again,
+    appended a second validation of the same step to metrics.jsonl and saved N as the config."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = {k: v for k, v in snapshot(run).items() if not k.endswith("train.log")}
+    result = mtx("train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=50")
+    assert_one_line_error(result, "the run is at step 200, past train.max_steps=50", "larger train.max_steps")
+    assert {k: v for k, v in snapshot(run).items() if not k.endswith("train.log")} == before
+
+
 def test_devices_this_machine_lacks_are_one_line_errors() -> None:
     """torch.device accepts mps, meta or cuda:7 anywhere; they failed later with a traceback."""
     cases = [("nosuch", "unknown device 'nosuch'"), ("meta", "unsupported device 'meta'")]

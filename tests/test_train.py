@@ -424,7 +424,11 @@ def test_init_from_starts_a_new_run_from_another_runs_weights_and_tokenizer(
     ft = tmp_path / "ft_cli"
     args = tiny_args(small_data, ft, "--set", f"train.init_from={tiny_run}", "--set", "train.max_steps=20")
     assert main([*args, "--set", "train.eval_every=20"]) == 0
-    assert "initialised from" in (ft / "train.log").read_text()
+    best_step = torch.load(tiny_run / "checkpoints" / "best.pt", weights_only=True)["step"]
+    assert (
+        f"initialised from {tiny_run / 'checkpoints' / 'best.pt'} (its step {best_step})"
+        in (ft / "train.log").read_text()
+    )
     first = [e["loss"] for e in read_metrics(ft) if e["event"] == "train"][0]
     scratch = [e["loss"] for e in read_metrics(tiny_run) if e["event"] == "train"]
     assert first < scratch[0] - 1.5 and first < scratch[-1] + 0.5, (first, scratch)
@@ -434,6 +438,7 @@ def test_init_from_starts_a_new_run_from_another_runs_weights_and_tokenizer(
     ("sets", "message"),
     [
         (["train.init_from={tmp}/nowhere"], "{tmp}/nowhere not found"),
+        (["train.init_from={run}/config.yaml"], "config.yaml is a file outside a run's checkpoints/"),
         (["train.init_from={run}", "model.d_model=32"], "was trained with model.d_model=64, this config has 32"),
         (["train.init_from={run}", "data.src_lang=en", "data.tgt_lang=de"], "was trained with data.src_lang='de'"),
         (["train.init_from={run}", "tokenizer.vocab_size=900"], "tokenizer.vocab_size=1000"),
