@@ -1414,9 +1414,14 @@ def _remove_contents(run_dir: Path, keep_dir: bool) -> None:
 
 def unfinished_start(run_dir: Path) -> bool:
     """Whether `run_dir` holds a start that ended before its first checkpoint (killed with
-    `kill -9`, or a machine that went down, while the tokenizer trained): a config.yaml and no
-    checkpoint, so nothing trained to lose."""
-    return (run_dir / ckpt_io.CONFIG_FILE).is_file() and not any(ckpt_io.checkpoint_dir(run_dir).glob("*.pt"))
+    `kill -9`, or a machine that went down, while the tokenizer trained): a config.yaml, and
+    neither a checkpoint nor a metrics.jsonl (opened after the first save), so nothing trained
+    and no learning curve to lose."""
+    return (
+        (run_dir / ckpt_io.CONFIG_FILE).is_file()
+        and not (run_dir / "metrics.jsonl").exists()
+        and not any(ckpt_io.checkpoint_dir(run_dir).glob("*.pt"))
+    )
 
 
 def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
@@ -1456,7 +1461,7 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
             if previous != config_text(cfg):
                 note = "%s held a start that ended before its first checkpoint, with another config: starting anew"
                 log.warning(note, run_dir)
-            for name in (ckpt_io.CONFIG_FILE, "train.log", "metrics.jsonl"):  # what a start writes
+            for name in (ckpt_io.CONFIG_FILE, "train.log"):  # what a start writes before its first save
                 (run_dir / name).unlink(missing_ok=True)
             for path in run_dir.glob("tokenizer*.json"):
                 path.unlink()
@@ -1554,8 +1559,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     cfg = resolve_config(cfg)  # on resume too: a --set data.dir is recorded as the directory used
     check_run_dir(run_dir, cfg, resume)
     existed = run_dir.is_dir()
-    # this call writes all it holds (an unfinished start's files are removed first)
-    new_dir = not resume and (not (existed and any(run_dir.iterdir())) or unfinished_start(run_dir))
+    new_dir = not resume and not (existed and any(run_dir.iterdir()))  # this call writes all it holds
     failed_start = False
     if not resume:
         init_source(cfg)  # a bad train.init_from is an error before anything is written

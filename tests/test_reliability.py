@@ -747,12 +747,17 @@ def test_a_start_killed_before_its_first_checkpoint_starts_again_with_any_config
     assert main(["train", "--run-dir", str(run), "--resume"]) == 1  # nothing to resume: the hint
     assert main(["train", "--config", str(run / "config.yaml"), "--run-dir", str(run), *steps]) == 0
     shutil.rmtree(run / "checkpoints")
+    (run / "metrics.jsonl").unlink()
     other = ("--set", "model.d_model=32", "--set", "tokenizer.vocab_size=500")
     capsys.readouterr()
     assert main(mini_args(mini_data, run, *steps, *other)) == 0
     assert "held a start that ended before its first checkpoint, with another config" in capsys.readouterr().err
     assert load_run_config(run).model.d_model == 32 and load_checkpoint(run / "checkpoints" / "last.pt")
     assert_one_line_error(mtx(*mini_args(mini_data, run, *steps)), "already holds a run")
+    shutil.rmtree(run / "checkpoints")  # its checkpoints gone, its learning curve kept: still a run
+    before = snapshot(run)
+    assert main(mini_args(mini_data, run, *steps)) == 1 and "already holds a run" in capsys.readouterr().err
+    assert snapshot(run) == before
 
 
 def test_a_resume_below_the_runs_step_is_refused_and_changes_nothing(tiny_run: Path, tmp_path: Path) -> None:
