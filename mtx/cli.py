@@ -439,7 +439,7 @@ def _hypotheses_name(
     stop and bf16 add their tags, so those outputs do not replace it."""
     tags = []
     if args.checkpoint:
-        stems = "+".join(path.name.removesuffix(".pt") for path in args.checkpoint)
+        stems = "+".join(_checkpoint_tag(path, args.run) for path in args.checkpoint)
         tags.append(stems if len(stems) <= 100 else f"ensemble{len(args.checkpoint)}")
     tags.append(f"beam{beam}")
     if beam > 1 and alpha is not None and alpha != cfg.decode.length_penalty:
@@ -449,6 +449,18 @@ def _hypotheses_name(
     if _precision(args, cfg) != "fp32":
         tags.append(_precision(args, cfg))
     return ".".join([split, *tags, cfg.data.tgt_lang])
+
+
+def _checkpoint_tag(path: Path, run_dir: Path) -> str:
+    """A checkpoint's name in a hypotheses file: its stem (`step_8000`) in the run's own
+    checkpoints/, else prefixed by its run's (or directory's) name (`other-best`), so that another
+    run's best.pt does not share the name of this run's."""
+    stem = path.name.removesuffix(".pt")
+    folder = path.parent.resolve()
+    if folder == (run_dir / "checkpoints").resolve():
+        return stem
+    owner = folder.parent if folder.name == "checkpoints" else folder
+    return f"{owner.name}-{stem}"
 
 
 def _check_parents(option: str, path: Path) -> None:

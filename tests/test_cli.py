@@ -395,8 +395,14 @@ def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision()
     assert name() == "val.beam1.en"
     assert name("--beam", "5", "--stop", "finished", "--precision", "bf16") == "val.beam5.finished.bf16.en"
     assert name("--beam", "1", "--stop", "finished") == "val.beam1.en"  # greedy has no stop to name
-    assert name("--checkpoint", "a/step_7.pt", "--checkpoint", "b/avg.pt") == "val.step_7+avg.beam1.en"
-    assert name(*["--checkpoint", "c/" + "x" * 60 + ".pt"] * 2) == "val.ensemble2.beam1.en"
+    assert name("--checkpoint", "r/checkpoints/step_7.pt", "--checkpoint", "r/checkpoints/avg.pt") == (
+        "val.step_7+avg.beam1.en"
+    )
+    # another run's checkpoint (or a file elsewhere) is named by its run (stop 52: another run's
+    # best.pt and this run's shared val.best.beam1.en)
+    assert name("--checkpoint", "runs/other/checkpoints/best.pt") == "val.other-best.beam1.en"
+    assert name("--checkpoint", "saved/avg.pt") == "val.saved-avg.beam1.en"
+    assert name(*["--checkpoint", "r/checkpoints/" + "x" * 60 + ".pt"] * 2) == "val.ensemble2.beam1.en"
     # another length penalty than the run's is named (stop 52: it replaced the run's own file)
     assert name("--beam", "5", "--length-penalty", "2") == "val.beam5.lp2.en"
     assert name("--beam", "5", "--length-penalty", "0.6", "--stop", "finished") == "val.beam5.lp0.6.finished.en"
