@@ -455,11 +455,13 @@ def _checkpoint_tag(path: Path, run_dir: Path) -> str:
     """A checkpoint's name in a hypotheses file: its stem (`step_8000`) in the run's own
     checkpoints/, else prefixed by its run's (or directory's) name (`other-best`), so that another
     run's best.pt does not share the name of this run's."""
+    from mtx.checkpoint import checkpoint_dir
+
     stem = path.name.removesuffix(".pt")
     folder = path.parent.resolve()
-    if folder == (run_dir / "checkpoints").resolve():
+    if folder == checkpoint_dir(run_dir).resolve():
         return stem
-    owner = folder.parent if folder.name == "checkpoints" else folder
+    owner = folder.parent if folder == checkpoint_dir(folder.parent) else folder
     return f"{owner.name}-{stem}"
 
 
@@ -473,12 +475,18 @@ def _check_parents(option: str, path: Path) -> None:
             return
 
 
+def _check_file_path(option: str, path: Path, what: str) -> None:
+    """An output file's path that is a directory (the error asks for `what`), or lies under a
+    regular file, is a one-line error."""
+    if path.is_dir():
+        raise MtxError(f"{option} {path} is a directory; give {what}")
+    _check_parents(option, path)
+
+
 def _check_output(output: Path, inputs: dict[str, list[Path | None]]) -> None:
     """Before decoding, so that a bad output path fails at once: `output` must be a file path in a
     writable directory (created if missing), and none of the files this command reads."""
-    if output.is_dir():
-        raise MtxError(f"--output {output} is a directory; give the hypotheses file's path")
-    _check_parents("--output", output)
+    _check_file_path("--output", output, "the hypotheses file's path")
     for option, paths in inputs.items():
         for path in paths:
             if path is not None and output.exists() and path.exists() and output.samefile(path):
@@ -618,9 +626,7 @@ def cmd_average(args: argparse.Namespace) -> int:
     from mtx.checkpoint import average_run
 
     if args.out is not None:
-        _check_parents("--out", args.out)
-        if args.out.is_dir():
-            raise MtxError(f"--out {args.out} is a directory; give the average's file path")
+        _check_file_path("--out", args.out, "the average's file path")
         if args.out.exists() and not args.out.is_file():  # a device or a pipe: never replaced by a file
             raise MtxError(f"--out {args.out} is not a regular file; give a file path for the average")
     out, chosen = average_run(args.run, args.last, args.out, args.as_best)
@@ -641,9 +647,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     default = args.run[0] / "curves.png" if len(args.run) == 1 else Path("compare.png")
     if args.out is not None:
-        _check_parents("--out", args.out)
-        if args.out.is_dir():
-            raise MtxError(f"--out {args.out} is a directory; give the image's file path")
+        _check_file_path("--out", args.out, "the image's file path")
     print(plot_runs(args.run, args.out or default, args.x))
     return 0
 

@@ -75,12 +75,11 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
 
 def _validation_data(run_dir: Path) -> tuple[str, str, int] | None:
     """(direction, val split, val sentences) of a run, from its config.yaml; None where unreadable."""
-    from mtx.config import load_config
-    from mtx.errors import ConfigError
+    from mtx.config import load_run_config
 
     try:
-        cfg = load_config(run_dir / "config.yaml")
-    except ConfigError:
+        cfg = load_run_config(run_dir)
+    except MtxError:  # no config.yaml, or one that does not load
         return None
     data = cfg.data
     return f"{data.src_lang}->{data.tgt_lang}", data.valid_split, cfg.train.eval_sentences

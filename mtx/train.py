@@ -1525,7 +1525,7 @@ def init_source(cfg: Config) -> tuple[Path, Path] | None:
         checkpoint = next((c for c in candidates if c.is_file()), None)
         if checkpoint is None:
             raise MtxError(f"train.init_from: {path} holds no checkpoints/best.pt or last.pt; train it first")
-    elif path.is_file() and path.parent.name == ckpt_io.checkpoint_dir(path.parent.parent).name:
+    elif path.is_file() and path.parent == ckpt_io.checkpoint_dir(path.parent.parent):
         checkpoint, run_dir = path, path.parent.parent  # RUN/checkpoints/NAME.pt
     elif path.is_file():
         raise MtxError(
