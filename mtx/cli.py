@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -451,6 +452,15 @@ def _hypotheses_name(
     return ".".join([split, *tags, cfg.data.tgt_lang])
 
 
+def _source_tag(args: argparse.Namespace, name: str) -> str:
+    """What eval's default hypotheses file is named after: the split, or a `--src` file's name with
+    a digest of its full path (`val.de.1a2b3c4d`), so that d1/val.de and d2/val.de do not share it."""
+    if args.src is None:
+        return name
+    digest = hashlib.sha1(str(args.src.resolve()).encode("utf-8")).hexdigest()[:8]
+    return f"{name}.{digest}"
+
+
 def _checkpoint_tag(path: Path, run_dir: Path) -> str:
     """A checkpoint's name in a hypotheses file: its stem (`step_8000`) in the run's own
     checkpoints/, else prefixed by its run's (or directory's) name (`other-best`), so that another
@@ -541,7 +551,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if len(lines) != len(src):
             raise MtxError(f"--paired {path}: {len(lines)} lines for the {len(src)} sentences of {name}")
     run = _load(args)
-    output = args.output or args.run / "eval" / _hypotheses_name(args, name, beam, stop, cfg, alpha)
+    output = args.output or args.run / "eval" / _hypotheses_name(args, _source_tag(args, name), beam, stop, cfg, alpha)
     _check_output(output, {"--paired": args.paired, "--src": [args.src], "--ref": [args.ref]})
     with _progress_bar(f"decoding {name}", len(src)) as bar:
         text = translate(
@@ -677,7 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except MtxError as e:
-        print(f"mtx: {e.prefix}{e}", file=sys.stderr)
+        if e.report:
+            print(f"mtx: {e.prefix}{e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("mtx: interrupted", file=sys.stderr)

@@ -11,6 +11,7 @@ class MtxError(Exception):
 
     exit_code = 1
     prefix = "error: "  # printed as `mtx: error: <message>`
+    report = True  # False: exit with exit_code, print nothing (a torchrun rank other than 0)
 
 
 class ConfigError(MtxError):
@@ -30,9 +31,10 @@ class Interrupted(MtxError):
 
     prefix = ""
 
-    def __init__(self, message: str, signum: int) -> None:
+    def __init__(self, message: str, signum: int, report: bool = True) -> None:
         super().__init__(message)
         self.exit_code = 128 + signum
+        self.report = report
 
 
 def os_error_line(prog: str, e: OSError) -> str:
@@ -50,7 +52,8 @@ def run_script(prog: str, main: Callable[[], None]) -> None:
     try:
         main()
     except MtxError as e:
-        print(f"{prog}: {e.prefix}{e}", file=sys.stderr)
+        if e.report:
+            print(f"{prog}: {e.prefix}{e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -644,10 +644,16 @@ class MovingAverage:
 
 
 class StopRequest:
-    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary."""
+    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary.
 
-    def __init__(self) -> None:
+    A second signal, or the first while `at_once` is set (setting up, before anything could be
+    saved), stops at once (KeyboardInterrupt). `announce=False` keeps the "received" line to itself
+    (torchrun's ranks other than 0: rank 0 speaks for the job)."""
+
+    def __init__(self, announce: bool = True) -> None:
         self.signal: int | None = None
+        self.announce = announce
+        self.at_once = False  # True: the first signal stops at once too (KeyboardInterrupt)
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> StopRequest:
@@ -657,10 +663,13 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signal is not None:  # second Ctrl-C: stop now
+        if self.signal is not None:  # a second Ctrl-C: stop now
             raise KeyboardInterrupt
         self.signal = signum
-        log.warning("received %s: saving a checkpoint and stopping", signal.Signals(signum).name)
+        if self.at_once:  # setting up: nothing to save yet
+            raise KeyboardInterrupt
+        if self.announce:
+            log.warning("received %s: saving a checkpoint and stopping", signal.Signals(signum).name)
 
     def __exit__(self, *exc: object) -> None:
         for sig, old in self._old.items():
@@ -1286,6 +1295,7 @@ class Trainer:
                         f"training stopped by {signal.Signals(signum).name} at step {st.step}; "
                         f"checkpoint saved. Resume with: mtx train --run-dir {self.run_dir} --resume",
                         signum,
+                        report=self.ranks.is_main,
                     )
                 group = next(groups, None)
                 if group is None:
@@ -1573,21 +1583,30 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     mtx_log = logging.getLogger("mtx")
     level = mtx_log.level
     handler = None
-    try:
-        _barrier(ranks, device)  # every rank has checked the run directory before rank 0 writes to it
-        if ranks.is_main:
-            prepare_run_dir(run_dir, cfg, resume)
-            handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8", delay=True)
-            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-            logging.getLogger().addHandler(handler)
-        else:
-            mtx_log.setLevel(logging.WARNING)  # rank 0 reports for the job
-        with StopRequest() as stop:
+    # the stop signals are caught from here to the end, cleanup included: a stop during setup stops
+    # at once (nothing to save yet), one during training at the next step, after saving last.pt
+    with StopRequest(announce=ranks.is_main) as stop:
+        try:
+            _barrier(ranks, device)  # every rank has checked the run directory before rank 0 writes to it
+            if ranks.is_main:
+                prepare_run_dir(run_dir, cfg, resume)
+                handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8", delay=True)
+                handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+                logging.getLogger().addHandler(handler)
+            else:
+                mtx_log.setLevel(logging.WARNING)  # rank 0 reports for the job
             try:
+                stop.at_once = True
                 trainer = Trainer(cfg, run_dir, resume, corpus, ranks, extra_texts)
-            except BaseException:  # a setup error (bad data for this config), or Ctrl-C: leave no half-made run behind
+            except BaseException as e:  # a setup error (bad data for this config), or a stop: leave no half-made run
                 failed_start = new_dir and ranks.is_main
+                if isinstance(e, KeyboardInterrupt) and stop.signal is not None:
+                    name = signal.Signals(stop.signal).name
+                    message = f"training stopped by {name} while setting up; nothing was saved"
+                    raise Interrupted(message, stop.signal, report=ranks.is_main) from None
                 raise
+            finally:
+                stop.at_once = False
             if resume and ranks.is_main:  # record --set changes, now that the checkpoint has been restored
                 ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
             try:
@@ -1599,12 +1618,12 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
                 # exception") after training had finished
                 del trainer
                 gc.collect()
-    finally:
-        if handler is not None:
-            logging.getLogger().removeHandler(handler)
-            handler.close()
-        mtx_log.setLevel(level)
-        if failed_start:
-            _remove_contents(run_dir, keep_dir=existed)
-        if ranks.world_size > 1:
-            dist.destroy_process_group()
+        finally:
+            if handler is not None:
+                logging.getLogger().removeHandler(handler)
+                handler.close()
+            mtx_log.setLevel(level)
+            if failed_start:
+                _remove_contents(run_dir, keep_dir=existed)
+            if ranks.world_size > 1:
+                dist.destroy_process_group()

@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import select
 import shutil
 import stat
@@ -21,7 +22,7 @@ import pytest
 import sacrebleu
 import torch
 
-from mtx.cli import _hypotheses_name, build_parser, int_in, main, usable_cpus
+from mtx.cli import _hypotheses_name, _source_tag, build_parser, int_in, main, usable_cpus
 from mtx.config import load_config
 
 from .conftest import REPO, FakeMulti30k, tiny_args
@@ -90,6 +91,7 @@ def test_train_translate_eval_round_trip(tmp_path: Path, small_data: Path) -> No
     result = json.loads(r.stdout.decode())
     assert r.returncode == 0 and result["sentences"] == 200 and 0 <= result["bleu"] <= 100
     # the scores are sacreBLEU's own of the hypotheses written against the references given
+    assert re.fullmatch(r"val\.de\.[0-9a-f]{8}\.beam\d+\.en", Path(result["hypotheses"]).name)
     hyps = Path(result["hypotheses"]).read_text(encoding="utf-8").splitlines()
     refs = (small_data / "val.en").read_text(encoding="utf-8").splitlines()
     assert len(hyps) == len(refs) == 200
@@ -408,6 +410,14 @@ def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision()
     assert name("--beam", "5", "--length-penalty", "0.6", "--stop", "finished") == "val.beam5.lp0.6.finished.en"
     assert name("--beam", "5", "--length-penalty", str(cfg.decode.length_penalty)) == "val.beam5.en"
     assert name("--beam", "1", "--length-penalty", "2") == "val.beam1.en"  # greedy has no penalty
+
+    # a --src file is named with a digest of its path (stop 53: d1/val.de and d2/val.de shared a file)
+    def source(path: str) -> str:
+        return _source_tag(build_parser().parse_args(["eval", "--run", "r", "--src", path, "--ref", "x.en"]), "val.de")
+
+    assert re.fullmatch(r"val\.de\.[0-9a-f]{8}", source("d1/val.de"))
+    assert source("d1/val.de") == source("d1/../d1/val.de") != source("d2/val.de")
+    assert _source_tag(build_parser().parse_args(["eval", "--run", "r"]), "val") == "val"
 
 
 def test_eval_and_translate_in_bf16(tiny_run: Path, tmp_path: Path) -> None:

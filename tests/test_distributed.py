@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from mtx.train import Ranks, Trainer
 
 from .conftest import REPO, TINY_CONFIG, tiny_args
 from .test_cli import mtx
+from .test_reliability import train_lines, wait_for
 
 ACCUM = (2, 2, 2, 1)  # micro-batches per rank in each of the compared optimizer steps
 BATCH_TOKENS = 500  # B: each rank's micro-batch; the 1-rank run takes both ranks' together
@@ -223,3 +225,32 @@ def test_torchrun_trains_resumes_and_translates(tmp_path: Path, mini_data: Path)
     r = mtx("translate", "--run", str(run_dir), "--beam", "2", "Ein Mann fährt Fahrrad.")
     assert r.returncode == 0, r.stderr.decode()
     assert len(r.stdout.decode().splitlines()) == 1 and r.stdout.decode().strip()
+
+
+def test_ctrl_c_to_torchrun_saves_once_and_rank_0_alone_reports(tmp_path: Path, mini_data: Path) -> None:
+    """A terminal's Ctrl-C goes to its foreground process group: torchrun, which passes it on to
+    the ranks (each in a session of its own). Every rank stops at the same step with last.pt saved,
+    and rank 0 alone reports it (stop 53; before, each rank printed both lines)."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "mtx"]
+    args = tiny_args(mini_data, run_dir, "--set", "train.device=cpu", "--set", "train.log_every=1")
+    args += ["--set", "train.max_steps=100000", "--set", "train.eval_every=100000"]
+    stderr = tmp_path / "stderr"
+    with stderr.open("wb") as err:
+        proc = subprocess.Popen(
+            [*command, *args],
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,  # its own process group, as a terminal's foreground job
+        )
+    wait_for(lambda: train_lines(run_dir) >= 2, proc, timeout=300)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=120)
+    text = stderr.read_text()
+    step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
+    assert step >= 2, text[-3000:]
+    assert text.count("received SIGINT: saving a checkpoint") == 1, text[-3000:]
+    assert text.count(f"mtx: training stopped by SIGINT at step {step}; checkpoint saved") == 1, text[-3000:]
+    assert "mtx: interrupted" not in text

@@ -707,21 +707,38 @@ def test_a_failed_start_leaves_its_empty_directory_for_the_fixed_config(
     assert main(mini_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_every=2")) == 0
 
 
-@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()], ids=["unexpected error", "Ctrl-C"])
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError("boom"), KeyboardInterrupt(), signal.SIGTERM],
+    ids=["unexpected error", "Ctrl-C", "SIGTERM"],
+)
 def test_any_failure_while_setting_up_leaves_no_half_made_run(
-    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException
+    tmp_path: Path,
+    mini_data: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    error: BaseException | signal.Signals,
 ) -> None:
     """Not only mtx's own setup errors: anything that stops a new run before its first checkpoint
     (here while building the model, after config.yaml and the tokenizer were written) removes what
     it wrote; before, the corrected command was refused as "already holds a run" and --resume as
-    "nothing to resume"."""
+    "nothing to resume". A stop signal while setting up stops at once (stop 53: it was held until
+    setup ended, then a step-0 run was saved and kept)."""
 
     def fail(*args: object, **kwargs: object) -> None:
+        if isinstance(error, signal.Signals):
+            signal.raise_signal(error)
+            time.sleep(30)  # not reached: the signal stops setting up at once
         raise error
 
     monkeypatch.setattr(train_module.ckpt_io, "build_model", fail)
     run = tmp_path / "run"
-    if isinstance(error, KeyboardInterrupt):
+    if isinstance(error, signal.Signals):
+        assert main(mini_args(mini_data, run)) == 128 + error
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            "mtx: training stopped by SIGTERM while setting up; nothing was saved"
+        )
+    elif isinstance(error, KeyboardInterrupt):
         assert main(mini_args(mini_data, run)) == 130
     else:
         with pytest.raises(RuntimeError, match="boom"):
