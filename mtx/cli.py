@@ -13,12 +13,12 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtx import __version__
-from mtx.config import QUANTIZATIONS, STOPS
+from mtx.config import CONFIG_FILE, MAX_LENGTH_PENALTY, QUANTIZATIONS, STOPS
 from mtx.errors import MtxError, os_error_line
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def _setup_logging(verbose: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    for noisy in ("datasets", "fsspec", "filelock", "urllib3", "httpx", "huggingface_hub"):
+    for noisy in ("datasets", "fsspec", "filelock", "urllib3", "httpx", "huggingface_hub", "sacrebleu"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
@@ -296,8 +296,8 @@ def _decode_settings(args: argparse.Namespace, cfg_decode: object) -> tuple[int,
     stop = args.stop or cfg_decode.stop  # type: ignore[attr-defined]
     if beam < 1:
         raise MtxError(f"--beam must be >= 1, got {beam}")
-    if not (math.isfinite(alpha) and alpha >= 0):
-        raise MtxError(f"--length-penalty must be a finite number >= 0, got {alpha}")
+    if not (math.isfinite(alpha) and 0 <= alpha <= MAX_LENGTH_PENALTY):
+        raise MtxError(f"--length-penalty must be a number from 0 to {MAX_LENGTH_PENALTY:g}, got {alpha}")
     if batch_tokens < 1:
         raise MtxError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     if workers < 0:
@@ -452,12 +452,17 @@ def _hypotheses_name(
     return ".".join([split, *tags, cfg.data.tgt_lang])
 
 
-def _source_tag(args: argparse.Namespace, name: str) -> str:
-    """What eval's default hypotheses file is named after: the split, or a `--src` file's name with
-    a digest of its full path (`val.de.1a2b3c4d`), so that d1/val.de and d2/val.de do not share it."""
-    if args.src is None:
+def _source_tag(args: argparse.Namespace, name: str, run_data_dir: str = "") -> str:
+    """What eval's default hypotheses file is named after: the split of the run's data directory;
+    else the split or `--src` file's name with a digest of the path read (`val.de.1a2b3c4d`), so
+    that d1/val.de and d2/val.de, or val of another --data-dir, do not share a file."""
+    if args.src is not None:
+        path = args.src
+    elif args.data_dir is not None and args.data_dir.resolve() != Path(run_data_dir).resolve():
+        path = args.data_dir
+    else:
         return name
-    digest = hashlib.sha1(str(args.src.resolve()).encode("utf-8")).hexdigest()[:8]
+    digest = hashlib.sha1(str(path.resolve()).encode("utf-8")).hexdigest()[:8]
     return f"{name}.{digest}"
 
 
@@ -493,14 +498,24 @@ def _check_file_path(option: str, path: Path, what: str) -> None:
     _check_parents(option, path)
 
 
-def _check_output(output: Path, inputs: dict[str, list[Path | None]]) -> None:
+def _run_files(run_dir: Path) -> list[Path]:
+    """A run's own files besides its checkpoints, which its commands read or training appends to."""
+    names = (CONFIG_FILE, "metrics.jsonl", "train.log")
+    return [run_dir / name for name in names] + sorted(run_dir.glob("tokenizer*.json"))
+
+
+def _same_file(path: Path, others: Iterable[Path | None]) -> bool:
+    return path.exists() and any(o is not None and o.exists() and path.samefile(o) for o in others)
+
+
+def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> None:
     """Before decoding, so that a bad output path fails at once: `output` must be a file path in a
-    writable directory (created if missing), and none of the files this command reads."""
+    writable directory (created if missing), and none of the files this command reads (`inputs`:
+    what each is -> paths)."""
     _check_file_path("--output", output, "the hypotheses file's path")
-    for option, paths in inputs.items():
-        for path in paths:
-            if path is not None and output.exists() and path.exists() and output.samefile(path):
-                raise MtxError(f"the hypotheses file {output} is the {option} file; pass --output with another path")
+    for what, paths in inputs.items():
+        if _same_file(output, paths):
+            raise MtxError(f"the hypotheses file {output} is {what}; pass --output with another path")
     output.parent.mkdir(parents=True, exist_ok=True)
     if _written_through(output):  # a device, pipe or link: it is opened as it is, not replaced
         return
@@ -515,7 +530,14 @@ def _written_through(output: Path) -> bool:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from mtx.evaluate import MAX_RESAMPLED, MIN_BOOTSTRAP, PAIRED_SAMPLES, corpus_scores, paired_tests
+    from mtx.evaluate import (
+        BYTES_PER_RESAMPLED,
+        MAX_RESAMPLED,
+        MIN_BOOTSTRAP,
+        PAIRED_SAMPLES,
+        corpus_scores,
+        paired_tests,
+    )
 
     if (args.src is None) != (args.ref is None):
         raise MtxError("--src and --ref go together (source file and reference file)")
@@ -525,7 +547,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
     cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
-    from mtx.checkpoint import atomic_write_text
+    from mtx.checkpoint import atomic_write_text, checkpoint_dir
     from mtx.data import eval_split_files, read_lines, read_parallel
     from mtx.search import translate
 
@@ -533,16 +555,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.src is not None:
         src, ref = read_parallel(args.src, args.ref)
         name = args.src.name.removesuffix(".gz")
+        split_files: tuple[Path | None, Path | None] = (None, None)
     else:
         data_dir = args.data_dir or Path(cfg.data.dir)
         if not data_dir.is_dir():
             raise MtxError(f"data directory {data_dir} not found; pass --data-dir DIR or --src/--ref files")
-        src, ref = read_parallel(*eval_split_files(data_dir, args.split, cfg.data.src_lang, cfg.data.tgt_lang))
+        split_files = eval_split_files(data_dir, args.split, cfg.data.src_lang, cfg.data.tgt_lang)
+        src, ref = read_parallel(*split_files)
         name = args.split
     samples = args.bootstrap or (PAIRED_SAMPLES if args.paired else 0)
     if samples * len(src) > MAX_RESAMPLED:  # before decoding; sacreBLEU would run out of memory after it
         raise MtxError(
-            f"{samples} bootstrap resamples of {len(src)} sentences take {samples * len(src) * 8 / 2**30:.0f} GB "
+            f"{samples} bootstrap resamples of {len(src)} sentences take "
+            f"{samples * len(src) * BYTES_PER_RESAMPLED / 2**30:.0f} GB "
             f"in sacreBLEU; pass --bootstrap {MAX_RESAMPLED // len(src)} or fewer"
         )
     # the other systems' outputs, read and counted before decoding: a wrong file fails at once
@@ -551,8 +576,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if len(lines) != len(src):
             raise MtxError(f"--paired {path}: {len(lines)} lines for the {len(src)} sentences of {name}")
     run = _load(args)
-    output = args.output or args.run / "eval" / _hypotheses_name(args, _source_tag(args, name), beam, stop, cfg, alpha)
-    _check_output(output, {"--paired": args.paired, "--src": [args.src], "--ref": [args.ref]})
+    source = _source_tag(args, name, cfg.data.dir)
+    output = args.output or args.run / "eval" / _hypotheses_name(args, source, beam, stop, cfg, alpha)
+    _check_output(
+        output,
+        {
+            "the --paired file": args.paired,
+            "the --src file": [args.src],
+            "the --ref file": [args.ref],
+            f"the {name} split's source file": [split_files[0]],
+            f"the {name} split's reference file": [split_files[1]],
+            "a checkpoint": [*run.checkpoints, *checkpoint_dir(args.run).glob("*")],
+            "one of the run's own files": _run_files(args.run),
+        },
+    )
     with _progress_bar(f"decoding {name}", len(src)) as bar:
         text = translate(
             run.model,
@@ -639,6 +676,8 @@ def cmd_average(args: argparse.Namespace) -> int:
         _check_file_path("--out", args.out, "the average's file path")
         if args.out.exists() and not args.out.is_file():  # a device or a pipe: never replaced by a file
             raise MtxError(f"--out {args.out} is not a regular file; give a file path for the average")
+        if _same_file(args.out, _run_files(args.run)):
+            raise MtxError(f"--out {args.out} is one of the run's own files; give another path for the average")
     out, chosen = average_run(args.run, args.last, args.out, args.as_best)
     print(f"averaged {len(chosen)} checkpoints ({', '.join(p.name for p in chosen)}) into {out}")
     if len(chosen) < args.last:

@@ -206,6 +206,10 @@ _NON_NEGATIVE = {
     "decode.max_len_b",
     "decode.workers",
 }
+MAX_INT = 2**53  # integer keys: larger values overflow the floats they meet
+# GNMT length penalties in use lie in 0.6-2; ((5 + |Y|) / 6) ** alpha overflows a float past about
+# 190 at Multi30k's lengths, so larger values are refused rather than crash a decode
+MAX_LENGTH_PENALTY = 10.0
 _UNIT_INTERVAL = {
     "tokenizer.bpe_dropout",
     "model.dropout",
@@ -245,16 +249,18 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
             return value
         raise bad
     if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, str):  # YAML 1.1 reads 1e4 (no dot) as a string
             try:
                 value = float(value)
             except ValueError:
                 raise bad from None
         if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise bad
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise bad
+        if abs(value) > MAX_INT:  # would overflow the float arithmetic it meets (a schedule, a bar)
+            raise ConfigError(f"{where}: {key} must be at most 2**53 in size, got {value}")
+        return value
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             number = float(value)
@@ -362,6 +368,10 @@ def validate(cfg: Config, where: str = "config") -> None:
     for key in _UNIT_INTERVAL:
         if not 0.0 <= flat[key] < 1.0:
             raise ConfigError(f"{where}: {key} must be in [0, 1), got {flat[key]!r}")
+    if cfg.decode.length_penalty > MAX_LENGTH_PENALTY:
+        raise ConfigError(
+            f"{where}: decode.length_penalty must be at most {MAX_LENGTH_PENALTY:g}, got {cfg.decode.length_penalty}"
+        )
     if not 0 <= cfg.train.seed < 2**32:
         raise ConfigError(f"{where}: train.seed must be in [0, 2**32), got {cfg.train.seed}")
     m = cfg.model

@@ -577,7 +577,14 @@ class Seq2Seq(nn.Module):
         weight = self.output_table
         if self.output_ids is not None:  # select first: only the kept rows need normalising
             weight = weight.index_select(0, self.output_ids)
-        return F.normalize(weight, dim=-1) if self.cfg.fix_norm else weight
+        if not self.cfg.fix_norm:
+            return weight
+        if self.output_ids is None and self.output_proj is None:
+            # the tied table's PAD row is zero (padding_idx), and normalising a zero row has a
+            # gradient of 1/eps: the first step's gradient norm was about 1e9, so clipping scaled
+            # every other gradient to nothing. PAD is never a target: its row gets no gradient
+            weight = torch.cat([weight[: PAD + 1].detach(), weight[PAD + 1 :]])
+        return F.normalize(weight, dim=-1)
 
     def project(self, states: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """(..., D) decoder states -> (..., V) logits (tied to the target embedding by default),

@@ -33,10 +33,13 @@ class Hypothesis:
 
 
 def max_output_lengths(src: torch.Tensor, a: float, b: int, model: Seq2Seq | Ensemble) -> torch.Tensor:
-    """Per sentence: most output tokens (EOS included), `a * src_len + b`, within positions."""
+    """Per sentence: most output tokens (EOS included), `a * src_len + b`, within positions.
+
+    In float64 with a margin, so that a product whose decimal value is whole is not floored one
+    short (float32 gave 1.3 * 90 + 10 = 126.99..., a cap of 126 for 127)."""
     src_lens = (src != PAD).sum(dim=1)
     limit = model.cfg.max_positions - 1
-    return (src_lens.float() * a + b).floor().long().clamp(min=1, max=limit)
+    return (src_lens.double() * a + b + 1e-9).floor().long().clamp(min=1, max=limit)
 
 
 def length_penalty(length: int | torch.Tensor, alpha: float) -> float | torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from mtx.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
+_LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]+")  # where str.splitlines splits
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 
 
@@ -30,6 +32,9 @@ class BPE:
         for expected, token in enumerate(SPECIAL_TOKENS):
             if tokenizer.token_to_id(token) != expected:
                 raise CheckpointError(f"tokenizer: special token {token} must have id {expected}")
+        # the text "</s>" (or <pad>, <s>, <unk>) in a sentence is text, not the control token: HF
+        # tokenizers matches added tokens in raw text even without add_special_tokens
+        tokenizer.encode_special_tokens = True
         self.tokenizer = tokenizer
 
     @property
@@ -41,8 +46,10 @@ class BPE:
         return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode_batch(self, ids: Sequence[Sequence[int]]) -> list[str]:
-        """Ids -> text; special tokens are dropped."""
-        return [t.strip() for t in self.tokenizer.decode_batch([list(x) for x in ids])]
+        """Ids -> text; special tokens are dropped, and a line break that byte-level pieces can
+        spell (newline, carriage return, U+2028, ...) becomes a space, so that a translation is
+        always one line of a hypotheses file."""
+        return [_LINE_BREAKS.sub(" ", t).strip() for t in self.tokenizer.decode_batch([list(x) for x in ids])]
 
     def with_dropout(self, p: float) -> BPE:
         """A copy that skips each merge with probability `p` (BPE-dropout, Provilkov et al.,

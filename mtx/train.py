@@ -949,6 +949,22 @@ class Trainer:
             st, old = self.state, self.state.world_size
             st.batch, st.world_size = -(-st.batch * old // self.ranks.world_size), self.ranks.world_size
             log.info("the run was trained on %d rank(s), continues on %d", old, self.ranks.world_size)
+        changed = [
+            f"{section}.{key}"
+            for section, key in _PLAN_KEYS
+            if ckpt["config"].get(section, {}).get(key) != to_dict(self.cfg)[section][key]
+        ]
+        if changed and self.state.batch:
+            # the rest of the epoch's plan under the new settings is not the rest of the old one:
+            # it would give some pairs a second time this epoch and others not at all
+            st = self.state
+            log.warning(
+                "%s changed in the middle of epoch %d: training goes on from the start of epoch %d",
+                ", ".join(changed),
+                st.epoch,
+                st.epoch + 1,
+            )
+            st.epoch, st.batch = st.epoch + 1, 0
         self.saved_step = self.state.step
         if self.ranks.is_main:
             self._trim_metrics()
@@ -1252,6 +1268,11 @@ class Trainer:
         st = self.state
         if not self.resumed:
             self.save()  # from here on the run can always be resumed
+        else:
+            limit = self._limit_reached()
+            if limit is not None:  # nothing to train: a repeated validation would count toward patience
+                log.info("done: the run already reached %s, at step %d; raise it to train on", limit, st.step)
+                return st
         pad = padding_fraction(
             self.train_ids, plan_batches(self.train_ids.src_lens, self.train_ids.tgt_lens, tc.batch_tokens)
         )
@@ -1344,14 +1365,21 @@ class Trainer:
                         metrics.flush()
                     window_tokens, window_loss, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
                 at_eval = st.step % tc.eval_every == 0 or st.step == tc.max_steps
-                if at_eval and self._evaluate(metrics):
-                    stop_reason = f"no val BLEU gain in {tc.patience} evaluations (train.patience)"
-                    break
+                if at_eval:
+                    out_of_patience = self._evaluate(metrics)
+                    now = time.perf_counter()
+                    st.elapsed += now - last_time  # validating and saving are the loop's time (max_minutes)
+                    window_start += now - last_time  # but not training throughput (tgt_tok_per_s)
+                    last_time = now
+                    if out_of_patience:
+                        stop_reason = f"no val BLEU gain in {tc.patience} evaluations (train.patience)"
+                        break
                 if self._out_of_time():
                     stop_reason = f"used the time budget train.max_minutes={tc.max_minutes:g}"
                     break
             if st.step % tc.eval_every and st.step != tc.max_steps:  # stopped between validations
                 self._evaluate(metrics)
+                st.elapsed += time.perf_counter() - last_time
         finally:
             bar.close()
             if metrics is not None:
@@ -1366,6 +1394,19 @@ class Trainer:
             st.elapsed,
         )
         return st
+
+    def _limit_reached(self) -> str | None:
+        """The limit a resumed run had already reached (it trains no further), if any."""
+        tc, st = self.cfg.train, self.state
+        if st.step >= tc.max_steps:
+            return f"train.max_steps={tc.max_steps}"
+        if tc.max_epochs and st.epoch >= tc.max_epochs:
+            return f"train.max_epochs={tc.max_epochs}"
+        if tc.max_minutes and st.elapsed >= 60 * tc.max_minutes:
+            return f"train.max_minutes={tc.max_minutes:g}"
+        if tc.patience and st.evals_without_gain >= tc.patience:
+            return f"train.patience={tc.patience} (no val BLEU gain in its last {st.evals_without_gain} evaluations)"
+        return None
 
     def _out_of_time(self) -> bool:
         """True once the loop has used train.max_minutes (rank 0's clock, asked every log_every steps under DDP)."""
@@ -1496,6 +1537,10 @@ def resolve_config(cfg: Config) -> Config:
     """The config as the run will record it: `data.dir` replaced by the directory actually used."""
     return replace(cfg, data=replace(cfg.data, dir=str(resolve_data_dir(cfg.data))))
 
+
+# keys an epoch's batch plan depends on (besides the rank count): changed by --resume mid-epoch,
+# the run goes on from the next epoch
+_PLAN_KEYS = (("train", "seed"), ("train", "batch_tokens"), ("data", "max_len"))
 
 _FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer state depend on
     "tokenizer": tuple(to_dict(Config())["tokenizer"]),

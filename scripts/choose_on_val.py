@@ -46,6 +46,7 @@ from mtx.checkpoint import (  # noqa: E402
     step_checkpoints,
 )
 from mtx.cli import thread_count, usable_cpus  # noqa: E402
+from mtx.config import MAX_LENGTH_PENALTY  # noqa: E402
 from mtx.data import read_parallel, split_file  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
 from mtx.evaluate import PAIRED_SAMPLES, corpus_scores, paired_tests  # noqa: E402
@@ -56,12 +57,12 @@ from mtx.train import pick_device  # noqa: E402
 
 def penalties(text: str) -> list[float]:
     """'0.6,1.0' -> [0.6, 1.0], finite and >= 0; an argparse type, so a bad list is a one-line usage error."""
-    bad = argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}")
+    bad = argparse.ArgumentTypeError(f"expected comma-separated numbers from 0 to {MAX_LENGTH_PENALTY:g}, got {text!r}")
     try:
         values = [float(x) for x in text.split(",") if x]
     except ValueError:
         raise bad from None
-    if not all(math.isfinite(v) and v >= 0 for v in values):
+    if not all(math.isfinite(v) and 0 <= v <= MAX_LENGTH_PENALTY for v in values):
         raise bad
     return values
 

@@ -282,8 +282,9 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run
     for option, value, want in (
         ("--beam", "2.5", "whole numbers >= 1, got '2.5'"),
         ("--last", "3,2.5", "whole numbers >= 1, got '3,2.5'"),
-        ("--length-penalty", "1.0,-1", "numbers >= 0, got '1.0,-1'"),
-        ("--length-penalty", "nan", "numbers >= 0, got 'nan'"),
+        ("--length-penalty", "1.0,-1", "numbers from 0 to 10, got '1.0,-1'"),
+        ("--length-penalty", "nan", "numbers from 0 to 10, got 'nan'"),
+        ("--length-penalty", "1,500", "numbers from 0 to 10, got '1,500'"),
     ):
         bad = subprocess.run([*args[:4], f"{option}={value}"], capture_output=True, text=True)
         assert bad.returncode == 2 and f"argument {option}: expected comma-separated {want}" in bad.stderr

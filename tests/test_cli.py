@@ -372,6 +372,28 @@ def test_eval_never_writes_over_a_file_it_reads_or_another_systems_hypotheses(
         f"the hypotheses file {ref} is the --ref file; pass --output with another path",
     )
     assert own.read_bytes() == first and ref.read_text() == "A dog.\n"
+    # stop 53: with --split the split's files were not checked, nor the run's checkpoints, config
+    # and tokenizer, so --output could replace any of them; average --out the run's config too
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "val.de").write_text("Ein Hund.\n")
+    (data / "val.en").write_text("A dog.\n")
+    for output, what in (
+        (data / "val.en", "the val split's reference file"),
+        (data / "val.de", "the val split's source file"),
+        (run / "checkpoints" / "best.pt", "a checkpoint"),
+        (run / "checkpoints" / "step_100.pt", "a checkpoint"),
+        (run / "config.yaml", "one of the run's own files"),
+        (run / "tokenizer.json", "one of the run's own files"),
+    ):
+        before = output.read_bytes()
+        message = f"the hypotheses file {output} is {what}; pass --output with another path"
+        refused([*common, "--data-dir", str(data), "--output", str(output)], message)
+        assert output.read_bytes() == before
+    config = (run / "config.yaml").read_bytes()
+    assert main(["average", "--run", str(run), "--last", "2", "--out", str(run / "config.yaml")]) == 1
+    assert "is one of the run's own files" in capsys.readouterr().err
+    assert (run / "config.yaml").read_bytes() == config
     # a device or a symbolic link is written through, not replaced by a regular file
     assert main([*common, "--output", os.devnull]) == 0 and not Path(os.devnull).is_file()
     (tmp_path / "target.en").write_text("")
@@ -417,7 +439,12 @@ def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision()
 
     assert re.fullmatch(r"val\.de\.[0-9a-f]{8}", source("d1/val.de"))
     assert source("d1/val.de") == source("d1/../d1/val.de") != source("d2/val.de")
-    assert _source_tag(build_parser().parse_args(["eval", "--run", "r"]), "val") == "val"
+    assert _source_tag(build_parser().parse_args(["eval", "--run", "r"]), "val", "data") == "val"
+    # so is the split of a --data-dir other than the run's (it replaced the run's own val file)
+    other = build_parser().parse_args(["eval", "--run", "r", "--data-dir", "d2"])
+    own = build_parser().parse_args(["eval", "--run", "r", "--data-dir", "data/../data"])
+    assert re.fullmatch(r"val\.[0-9a-f]{8}", _source_tag(other, "val", "data"))
+    assert _source_tag(own, "val", "data") == "val"
 
 
 def test_eval_and_translate_in_bf16(tiny_run: Path, tmp_path: Path) -> None:

@@ -100,6 +100,11 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("train:\n  lr: -1\n", r"train.lr must be > 0"),
         ("train:\n  lr: .nan\n", "train.lr must be a finite number, got nan"),
         ("decode:\n  length_penalty: .inf\n", "decode.length_penalty must be a finite number, got inf"),
+        # larger penalties overflowed a float in the search (a traceback; stop 53)
+        ("decode:\n  length_penalty: 11\n", "decode.length_penalty must be at most 10, got 11.0"),
+        # integers past 2**53 overflowed the lr schedule's floats (a traceback after last.pt; stop 53)
+        ("train:\n  warmup_steps: 1" + "0" * 320 + "\n", r"train.warmup_steps must be at most 2\*\*53 in size"),
+        ("train:\n  max_steps: 1e300\n", r"train.max_steps must be at most 2\*\*53 in size"),
         ("train:\n  adam_betas: [0.9, .nan]\n", "train.adam_betas must be a finite number"),
         ("model:\n  d_model: 100\n  n_heads: 3\n", "divisible by model.n_heads"),
         ("model:\n  dropout: 1.5\n", r"model.dropout must be in \[0, 1\)"),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mtx.cli import main
-from mtx.evaluate import corpus_scores, paired_tests
+from mtx.evaluate import BYTES_PER_RESAMPLED, corpus_scores, paired_tests
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,12 @@ def test_paired_test_finds_a_real_difference_and_none_between_identical_outputs(
     assert better.bleu_delta == pytest.approx(corpus_scores(good, refs).bleu - better.bleu) and better.bleu_delta > 10
     assert better.bleu_p < 0.05 and better.chrf_p < 0.05
     assert (same.bleu_delta, same.chrf_delta, same.bleu_p, same.chrf_p) == (0.0, 0.0, 1.0, 1.0)
+    # outputs that differ only in spacing give both metrics the same statistics sentence by
+    # sentence: no difference to test, p = 1 (stop 53; sacreBLEU's rule gave p = 0.005, "significant")
+    spaced = [line.replace(" ", "  ").replace(".", " .") for line in good]
+    assert sum(a != b for a, b in zip(spaced, good, strict=True)) > 250
+    (respaced,) = paired_tests(good, [("spaced", spaced)], refs, 200)
+    assert (respaced.bleu_delta, respaced.chrf_delta, respaced.bleu_p, respaced.chrf_p) == (0.0, 0.0, 1.0, 1.0)
     # a small difference is not called significant: one sentence changed among 300
     nearly = [*good[:-1], bad[-1]]
     (close,) = paired_tests(good, [("nearly", nearly)], refs, 200)
@@ -94,7 +100,31 @@ def test_eval_prints_intervals_and_paired_tests(
     assert main([*args, "--bootstrap", "10"]) == 1
     assert "--bootstrap must be 0 (off) or at least 100" in capsys.readouterr().err
     # sacreBLEU would need 6 GB for these resamples (before, found after decoding, if memory allowed)
-    assert main([*args, "--bootstrap", "4000000"]) == 1
+    assert main([*args, "--bootstrap", "400000"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "4000000 bootstrap resamples of 200 sentences take 6 GB" in err
-    assert "pass --bootstrap 1250000 or fewer" in err
+    assert err.count("\n") == 1 and "400000 bootstrap resamples of 200 sentences take 6 GB" in err
+    assert "pass --bootstrap 125000 or fewer" in err
+
+
+def test_the_bootstrap_memory_guard_counts_what_sacrebleu_holds(refs: list[str]) -> None:
+    """eval refuses resamples whose memory would run out after decoding; its bytes per resampled
+    sentence must cover what sacreBLEU allocates (stop 53: counted as 8, the indices alone, where
+    sacreBLEU holds about 80, so the 2 GB limit let through 20 GB)."""
+    import tracemalloc
+
+    hyps, other = drop_words(refs, 0.3, 0), drop_words(refs, 0.3, 1)
+
+    def peak(n: int, paired: bool) -> int:
+        tracemalloc.start()
+        try:
+            if paired:
+                paired_tests(hyps, [("o", other)], refs, n)
+            else:
+                corpus_scores(hyps, refs, bootstrap=n)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    for paired in (False, True):  # bytes per resampled sentence: the growth from 200 to 600 resamples
+        per_sentence = (peak(600, paired) - peak(200, paired)) / (400 * len(refs))
+        assert 40 < per_sentence <= BYTES_PER_RESAMPLED

@@ -278,6 +278,14 @@ def test_scale_norm_and_fix_norm() -> None:
     states = torch.randn(2, 4, 32)
     want = states @ torch.nn.functional.normalize(model.output_table, dim=-1).T
     assert torch.allclose(model.project(states), want, atol=1e-5)
+    # the first step's gradients are of the usual size (stop 53: the zero PAD row's normalisation
+    # made their norm about 1e9, and clipping then scaled the update of every weight to nothing)
+    model.train()
+    batch = _batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]])
+    label_smoothed_loss(model, batch, 0.1).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) < 100
+    assert torch.equal(model.tgt_embed.tokens.weight.grad[PAD], torch.zeros(32))
 
 
 @pytest.mark.parametrize("pre_norm", [True, False])

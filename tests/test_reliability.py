@@ -238,6 +238,27 @@ def test_diversify_adds_the_models_translations_and_resumes_exactly(tmp_path: Pa
     assert set(map(tuple, real.tgt_ids)) != {tuple(t) for _, t in forward}
 
 
+@pytest.mark.parametrize("change", ["train.seed=2", "train.batch_tokens=2000"])
+def test_a_resume_that_changes_the_batch_plan_mid_epoch_goes_on_from_the_next_epoch(
+    tmp_path: Path, mini_data: Path, change: str
+) -> None:
+    """The position in an epoch counts batches of its plan; another seed or batch size makes
+    another plan, whose rest would give some pairs twice that epoch and others not at all
+    (stop 53: 674 of 2,000 pairs skipped and 627 seen twice for a new seed)."""
+    run = tmp_path / "run"
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=3", "--set", "train.eval_every=100")) == 0
+    before = load_weights_only(run / "checkpoints" / "last.pt")["state"]
+    assert (before["epoch"], before["batch"]) == (0, 3)
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", change, "--set", "train.max_steps=4"]) == 0
+    after = load_weights_only(run / "checkpoints" / "last.pt")["state"]
+    assert (after["step"], after["epoch"], after["batch"]) == (4, 1, 1)
+    key = change.split("=")[0]
+    assert (
+        f"{key} changed in the middle of epoch 0: training goes on from the start of epoch 1"
+        in (run / "train.log").read_text()
+    )
+
+
 def test_checkpoints_without_bpe_dropout_hold_no_segmentation(tiny_run: Path) -> None:
     assert "epoch_ids" not in load_weights_only(tiny_run / "checkpoints" / "last.pt")
 
@@ -572,7 +593,12 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
     (
         "translate --length-penalty nan",
         lambda t, d, r: (["translate", "--run", str(r), "--length-penalty", "nan", "x"], None),
-        ("--length-penalty must be a finite number >= 0, got nan",),
+        ("--length-penalty must be a number from 0 to 10, got nan",),
+    ),
+    (
+        "translate --length-penalty 1000 (a float overflow in the search: a traceback before stop 53)",
+        lambda t, d, r: (["translate", "--run", str(r), "--beam", "3", "--length-penalty", "1000", "x"], None),
+        ("--length-penalty must be a number from 0 to 10, got 1000.0",),
     ),
     (
         "translate --threads beyond this machine's CPUs (a few thousand crashed OpenMP)",

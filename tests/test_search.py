@@ -356,6 +356,10 @@ def test_length_penalty_and_output_cap_values(tiny_run: Path) -> None:
     caps = search.max_output_lengths(src, 1.2, 10, model).tolist()
     assert caps == [22, 13, model.cfg.max_positions - 1]
     assert search.max_output_lengths(src, 0.0, 0, model).tolist() == [1, 1, 1]
+    # whole decimal products are not floored one short (stop 53: float32 made 1.3 * 90 + 10 a cap of 126)
+    src = _batch([[5] * 89, [5] * 99, [5] * 49])  # 90, 100 and 50 positions
+    assert search.max_output_lengths(src, 1.3, 10, model).tolist() == [127, 140, 75]
+    assert search.max_output_lengths(_batch([[5] * 49, [5] * 29]), 2.1, 0, model).tolist() == [105, 63]
 
 
 def test_overlong_input_is_truncated_with_a_warning(run: LoadedRun, caplog: pytest.LogCaptureFixture) -> None:

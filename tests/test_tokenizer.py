@@ -31,6 +31,22 @@ def test_nfc_normalisation_and_unseen_characters() -> None:
     assert tok.decode_batch(tok.encode_batch(["Ωμέγα 😀"])) == ["Ωμέγα 😀"]
 
 
+def test_special_tokens_written_in_text_are_text_and_outputs_are_one_line(tmp_path: Path) -> None:
+    """ "</s>" or "<pad>" typed in a sentence are characters, not EOS or PAD (stop 53: a <pad> in a
+    source was masked as padding, an "</s>" ended it); a piece that spells a line break decodes to
+    a space, so a translation never splits across lines of a hypotheses file."""
+    tok = train_bpe(["Ein Mann fährt Fahrrad."] * 10, TokenizerConfig(vocab_size=300, min_frequency=1))
+    tok.save(tmp_path / "tokenizer.json")
+    for t in (tok, BPE.load(tmp_path / "tokenizer.json"), tok.with_dropout(0.1)):
+        text = "Ein <pad> Mann </s> fährt <s> <unk> Fahrrad."
+        (ids,) = t.encode_batch([text])
+        assert not {PAD, BOS, EOS, UNK} & set(ids)
+        assert t.decode_batch([ids]) == [text]
+    pieces = tok.encode_batch(["a\nb\r\nc\u2028d\x0be"])[0]
+    (out,) = tok.decode_batch([pieces])
+    assert out == "a b c d e" and len(out.splitlines()) == 1
+
+
 def test_per_language_tokenizers_are_saved_and_reloaded(tmp_path: Path) -> None:
     cfg = TokenizerConfig(vocab_size=300, joint=False, min_frequency=1)
     src, tgt = train_or_load(tmp_path, cfg, "de", "en", ["Hallo Welt"] * 5, ["Hello world"] * 5)

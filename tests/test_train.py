@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -387,6 +388,67 @@ def test_time_budget_stops_early_then_validates_and_saves(tmp_path: Path, small_
     assert (run / "checkpoints" / "best.pt").is_file()  # the final validation ran and kept a best model
     assert all(e["step"] <= step for e in events)
     assert [e["step"] for e in events if e["event"] == "valid"] == [step]  # the last step, recorded for mtx plot
+    assert_resume_trains_nothing(run, "train.max_minutes=0.002")
+
+
+def assert_resume_trains_nothing(run: Path, limit: str) -> None:
+    """`--resume` of a run that ended on `limit` changes none of its files but train.log (stop 53:
+    it trained and validated again, a step per resume on a time budget, and a repeated validation
+    counted toward patience)."""
+    files = sorted(p for p in run.rglob("*") if p.is_file() and p.name != "train.log")
+    before = [p.read_bytes() for p in files]
+    assert main(["train", "--run-dir", str(run), "--resume"]) == 0
+    assert [p.read_bytes() for p in files] == before
+    assert sorted(p for p in run.rglob("*") if p.is_file() and p.name != "train.log") == files
+    assert f"done: the run already reached {limit}" in (run / "train.log").read_text()
+
+
+def test_max_epochs_stops_at_an_epoch_boundary(tmp_path: Path, mini_data: Path) -> None:
+    run = tmp_path / "epochs"
+    extra = ["--set", "train.max_steps=100000", "--set", "train.max_epochs=1", "--set", "train.eval_sentences=5"]
+    assert main(tiny_args(mini_data, run, *extra)) == 0
+    last = torch.load(run / "checkpoints" / "last.pt", weights_only=False)
+    assert (last["state"]["epoch"], last["state"]["batch"]) == (1, 0) and 0 < last["step"] < 100
+    assert "done: reached train.max_epochs=1" in (run / "train.log").read_text()
+    assert_resume_trains_nothing(run, "train.max_epochs=1")
+
+
+def test_logged_throughput_leaves_out_validation_and_elapsed_time_counts_it(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a clock where a step takes 1 s and a validation 100 s: every logged tgt_tok_per_s is
+    its window's tokens over 2 s (stop 53: the window after a validation counted it, so one log
+    in four of the shipped configs was slowed down), and elapsed_s counts each validation when it
+    ends (it came one step late, and the last one never)."""
+    clock = [0.0]
+    monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    tokens: list[int] = []
+    step, validate = train_module.Trainer.train_step, train_module.Trainer.validate
+
+    def timed_step(self: train_module.Trainer, group: object) -> tuple[float, int, bool]:
+        loss, n, applied = step(self, group)
+        clock[0] += 1.0
+        tokens.append(n)
+        return loss, n, applied
+
+    def timed_validation(self: train_module.Trainer) -> dict[str, float]:
+        clock[0] += 100.0
+        return validate(self)
+
+    monkeypatch.setattr(train_module.Trainer, "train_step", timed_step)
+    monkeypatch.setattr(train_module.Trainer, "validate", timed_validation)
+    sets = ["train.max_steps=8", "train.log_every=2", "train.eval_every=3", "train.eval_sentences=5", "train.amp=fp32"]
+    run = tmp_path / "run"
+    assert main(tiny_args(mini_data, run, *[a for s in sets for a in ("--set", s)], "--set", "train.device=cpu")) == 0
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logs = [e for e in events if e["event"] == "train"]
+    assert [e["step"] for e in logs] == [2, 4, 6, 8]
+    for e in logs:
+        assert e["tgt_tok_per_s"] == pytest.approx(sum(tokens[e["step"] - 2 : e["step"]]) / 2.0)
+        assert e["elapsed_s"] == pytest.approx(e["step"] + 100.0 * ((e["step"] - 1) // 3))  # validations before
+    valid = [(e["step"], e["elapsed_s"]) for e in events if e["event"] == "valid"]
+    assert valid == [(3, 3.0), (6, 106.0), (8, 208.0)]  # each recorded as its validation starts
+    assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["state"]["elapsed"] == 308.0
 
 
 def test_patience_stops_when_val_bleu_stops_improving(tmp_path: Path, small_data: Path) -> None:
@@ -398,6 +460,7 @@ def test_patience_stops_when_val_bleu_stops_improving(tmp_path: Path, small_data
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "valid"] == [2, 4]
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=False)["step"] == 4
+    assert_resume_trains_nothing(run, "train.patience=1")
 
 
 def test_init_from_starts_a_new_run_from_another_runs_weights_and_tokenizer(
