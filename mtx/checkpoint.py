@@ -9,6 +9,7 @@ Temporary files left by a writer that was killed mid-save are removed at the nex
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import re
@@ -22,7 +23,7 @@ from typing import IO, Any
 
 import torch
 
-from mtx.config import CONFIG_FILE, Config, load_run_config
+from mtx.config import CONFIG_FILE, Config, ModelConfig, load_run_config
 from mtx.errors import CheckpointError
 from mtx.model import Ensemble, Seq2Seq
 from mtx.tokenizer import BPE, load_run_tokenizers
@@ -158,13 +159,33 @@ def shape_fingerprint(model: Seq2Seq) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in model.state_dict().items()}
 
 
-def check_compatible(ckpt: dict[str, Any], path: Path, vocab: str, model: Seq2Seq) -> None:
-    """One-line errors when a checkpoint's vocabulary or model shape differs from the run's."""
+def check_same_model(ckpt: dict[str, Any], path: Path, vocab: str, model_cfg: ModelConfig) -> None:
+    """One-line errors when a checkpoint's vocabulary or model settings differ from the run's,
+    before a model is built for it. The settings that change no parameter's shape (`n_heads`,
+    `fix_norm`, `pre_norm`, `max_positions`) loaded silently into the wrong model before stop 53."""
     if ckpt.get("vocab") != vocab:
         raise CheckpointError(
             f"{path}: vocabulary differs from the run's tokenizer (fingerprint mismatch); "
             "the checkpoint belongs to another run"
         )
+    saved = ckpt.get("config")
+    saved_model = saved.get("model") if isinstance(saved, dict) else None
+    if not isinstance(saved_model, dict):
+        return  # (checked where the weights' shapes are)
+    for key, value in dataclasses.asdict(model_cfg).items():
+        if "dropout" in key or key not in saved_model:  # dropout rates are the run's own to choose
+            continue
+        old = saved_model[key]
+        if (list(old) if isinstance(old, tuple) else old) != (list(value) if isinstance(value, tuple) else value):
+            raise CheckpointError(
+                f"{path}: the checkpoint was trained with model.{key}={old!r}, the run's config has {value!r}; "
+                "the checkpoint belongs to another run"
+            )
+
+
+def check_compatible(ckpt: dict[str, Any], path: Path, vocab: str, model: Seq2Seq) -> None:
+    """One-line errors when a checkpoint's vocabulary, model settings or shapes differ from the run's."""
+    check_same_model(ckpt, path, vocab, model.cfg)
     expected = shape_fingerprint(model)
     got = {k: list(v.shape) for k, v in ckpt["model"].items()}
     if got != expected:
@@ -241,6 +262,7 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
     for path in checkpoints:
         ckpt = load_checkpoint(path)
         check_direction(ckpt, path, cfg)
+        check_same_model(ckpt, path, vocab_fingerprint(src_tok, tgt_tok), cfg.model)  # before building it
         member = build_model(cfg, src_tok, tgt_tok, saved_output_ids(ckpt, path, cfg))
         check_compatible(ckpt, path, vocab_fingerprint(src_tok, tgt_tok), member)
         member.load_state_dict(ckpt["model"])
@@ -308,6 +330,7 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
     payload = average_checkpoints(chosen)
     cfg = load_run_config(run_dir)
     src_tok, tgt_tok = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
+    check_same_model(payload, chosen[-1], vocab_fingerprint(src_tok, tgt_tok), cfg.model)  # before building it
     model = build_model(cfg, src_tok, tgt_tok, saved_output_ids(payload, chosen[-1], cfg))
     check_compatible(payload, chosen[-1], vocab_fingerprint(src_tok, tgt_tok), model)
     atomic_save(payload, out)

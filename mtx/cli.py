@@ -83,7 +83,7 @@ def _setup_logging(verbose: bool) -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     for noisy in ("datasets", "fsspec", "filelock", "urllib3", "httpx", "huggingface_hub", "sacrebleu"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger(noisy).setLevel(logging.NOTSET if verbose else logging.WARNING)
 
 
 def _add_decode_options(p: argparse.ArgumentParser) -> None:
@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--split",
         help="split name in the data directory (default: test_2016_flickr); the official Multi30k test sets "
-        "test_2017_flickr, test_2017_mscoco and test_2018_flickr are downloaded into ~/.cache/mtx/multi30k "
+        "test_2017_flickr, test_2017_mscoco and test_2018_flickr are downloaded into $XDG_CACHE_HOME/mtx/multi30k "
+        "(default ~/.cache/mtx/multi30k) "
         "if the directory lacks them",
     )
     p.add_argument("--data-dir", type=Path, help="data directory (default: the one the run was trained on)")
@@ -726,6 +727,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except MtxError as e:
+        if args.verbose:
+            log.exception("the traceback, for -v")
         if e.report:
             print(f"mtx: {e.prefix}{e}", file=sys.stderr)
         return e.exit_code

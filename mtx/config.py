@@ -368,6 +368,9 @@ def validate(cfg: Config, where: str = "config") -> None:
     for key in _UNIT_INTERVAL:
         if not 0.0 <= flat[key] < 1.0:
             raise ConfigError(f"{where}: {key} must be in [0, 1), got {flat[key]!r}")
+    for key in ("data.dir", "data.src_lang", "data.tgt_lang", "data.train_split", "data.valid_split"):
+        if not str(flat[key]).strip():  # (stop 53: an empty data.dir read the current directory)
+            raise ConfigError(f"{where}: {key} must not be empty")
     if cfg.decode.length_penalty > MAX_LENGTH_PENALTY:
         raise ConfigError(
             f"{where}: decode.length_penalty must be at most {MAX_LENGTH_PENALTY:g}, got {cfg.decode.length_penalty}"
@@ -474,6 +477,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str = "--s
         section, name = key.split(".", 1)
         if raw.get(section) is None:
             raw[section] = {}
+        text_value = text.partition("=")[2].strip()
+        if _hints(_section_types()[section])[name] is str and not text_value.startswith(("'", '"')):
+            # a string key takes the text as typed: YAML would read data.dir=010 as 8, 1:20 as 80,
+            # and cut "a #2" at the comment (stop 53); quotes still work
+            value = text_value
         raw[section][name] = value
 
 

@@ -39,6 +39,14 @@ MULTI30K_TESTS = {
     "test_2017_mscoco": ("en", "de", "fr"),
     "test_2018_flickr": ("en", "de", "fr", "cs"),
 }
+
+
+def is_test_split(split: str) -> bool:
+    """Whether `split` is a test split (the official Multi30k ones, or any named test*): never
+    one to choose a checkpoint or a setting on."""
+    return split in MULTI30K_TESTS or split.lower().startswith("test")
+
+
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _SHARED_COPIES = (Path("../shared/data/multi30k"), _REPO_ROOT.parent / "shared/data/multi30k")
 

@@ -29,7 +29,9 @@ from mtx.errors import MtxError
 from mtx.model import Ensemble, ScaleNorm, Seq2Seq
 from mtx.tokenizer import BPE
 
-OUTSIDE_BIAS = -1e9  # the logit bias of target pieces a `model.restrict_output` softmax leaves out
+# the logit bias of target pieces a `model.restrict_output` softmax leaves out: exp(-65000) is 0 in
+# any float type, and -65000 fits float16 (-1e9 did not: numpy warned of an overflow on the cast)
+OUTSIDE_BIAS = -65000.0
 INFO_FILE = "mtx_export.json"
 
 
@@ -159,7 +161,7 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
         cfg = run.cfg
         info = {
             "mtx_version": __version__,
-            "checkpoint": str(run.checkpoints[0]),
+            "checkpoint": str(run.checkpoints[0].resolve()),  # from any directory
             "quantization": quantization,
             "src_lang": cfg.data.src_lang,
             "tgt_lang": cfg.data.tgt_lang,

@@ -47,7 +47,7 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
         return F.dropout(x, p, training=True)
     n = x.numel()
     words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), 2**63 - 1)
-    threshold = round(p * 65536)
+    threshold = min(round(p * 65536), 65535)  # p just below 1 keeps 1 in 65536, not none (a division by 0)
     keep = words.view(torch.int16)[:n].view(x.shape) >= threshold - 32768
     return x * keep.to(x.dtype).mul_(65536 / (65536 - threshold))
 

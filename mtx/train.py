@@ -43,6 +43,7 @@ from mtx.data import (
     epoch_batches,
     epoch_length,
     extra_source_texts,
+    is_test_split,
     load_corpus,
     padding_fraction,
     plan_batches,
@@ -754,6 +755,12 @@ class Trainer:
                 "and best.pt, patience and choices made on them will favour overfitting",
                 cfg.data.train_split,
             )
+        if is_test_split(cfg.data.valid_split) and ranks.is_main:
+            log.warning(
+                "data.valid_split is a test split (%r): best.pt and patience are then chosen on it, and its "
+                "score is no longer a fair test; validate on val",
+                cfg.data.valid_split,
+            )
         n_val = tc.eval_sentences or len(valid_src)
         self.valid_refs = valid_tgt[:n_val]
         self.valid_ids = ParallelIds.encode(valid_src[:n_val], self.valid_refs, self.src_tok, self.tgt_tok)
@@ -949,21 +956,39 @@ class Trainer:
             st, old = self.state, self.state.world_size
             st.batch, st.world_size = -(-st.batch * old // self.ranks.world_size), self.ranks.world_size
             log.info("the run was trained on %d rank(s), continues on %d", old, self.ranks.world_size)
+        saved, now, st, tc = ckpt["config"], to_dict(self.cfg), self.state, self.cfg.train
         changed = [
-            f"{section}.{key}"
-            for section, key in _PLAN_KEYS
-            if ckpt["config"].get(section, {}).get(key) != to_dict(self.cfg)[section][key]
+            f"{section}.{key}" for section, key in _PLAN_KEYS if saved.get(section, {}).get(key) != now[section][key]
         ]
+        if self.synthetic is not None and not tc.diversify:  # (stop 53: they stayed in every later epoch)
+            self.synthetic, st.diversified_epoch = None, -1
+            log.info("train.diversify=0: the model's translations of train are left out from here on")
+            changed.append("train.diversify")
+        planned = st.epoch + (1 if st.batch else 0)  # epochs whose pairs are settled
+        for key, count in (("bidirectional", st.both_ways_epochs), ("extra_sources", st.extra_source_epochs)):
+            old = saved.get("train", {}).get(key)
+            if isinstance(old, (int, float)) and getattr(tc, key) > old and count < planned and self.ranks.is_main:
+                log.warning(
+                    "train.%s raised on resume has no effect: its phase holds only the first epochs, "
+                    "and epoch %d was trained without it",
+                    key,
+                    count,
+                )
+        if tc.diversify and not st.both_ways_epochs and planned:
+            raise MtxError(
+                f"{path}: train.diversify translates train both ways with the model, which this run never "
+                "trained both ways (train.bidirectional from its first epoch); start a new run for it"
+            )
         if changed and self.state.batch:
             # the rest of the epoch's plan under the new settings is not the rest of the old one:
             # it would give some pairs a second time this epoch and others not at all
-            st = self.state
-            log.warning(
-                "%s changed in the middle of epoch %d: training goes on from the start of epoch %d",
-                ", ".join(changed),
-                st.epoch,
-                st.epoch + 1,
-            )
+            if self.ranks.is_main:
+                log.warning(
+                    "%s changed in the middle of epoch %d: training goes on from the start of epoch %d",
+                    ", ".join(changed),
+                    st.epoch,
+                    st.epoch + 1,
+                )
             st.epoch, st.batch = st.epoch + 1, 0
         self.saved_step = self.state.step
         if self.ranks.is_main:
@@ -1540,7 +1565,13 @@ def resolve_config(cfg: Config) -> Config:
 
 # keys an epoch's batch plan depends on (besides the rank count): changed by --resume mid-epoch,
 # the run goes on from the next epoch
-_PLAN_KEYS = (("train", "seed"), ("train", "batch_tokens"), ("data", "max_len"))
+_PLAN_KEYS = (
+    ("train", "seed"),
+    ("train", "batch_tokens"),
+    ("data", "max_len"),
+    ("data", "train_split"),
+    ("data", "extra_src_langs"),
+)
 
 _FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer state depend on
     "tokenizer": tuple(to_dict(Config())["tokenizer"]),

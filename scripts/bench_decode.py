@@ -132,11 +132,22 @@ class WholeVocabulary(Seq2Seq):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, help="trained run directory (default: train one)")
-    parser.add_argument("--config", default="configs/tiny.yaml", help="config to train when --run is not given")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--split", default="test_2016_flickr")
-    parser.add_argument("--threads", type=thread_count(), default=min(2, usable_cpus()))
-    parser.add_argument("--batch-sentences", type=int_in(1), default=64)
+    parser.add_argument("--config", help="config to train when --run is not given (default: configs/tiny.yaml)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config key of the run trained when --run is not given (repeatable)",
+    )
+    parser.add_argument("--split", default="test_2016_flickr", help="the split decoded (default: %(default)s)")
+    parser.add_argument(
+        "--threads", type=thread_count(), default=min(2, usable_cpus()), help="CPU threads (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-sentences", type=int_in(1), default=64, help="sentences per batch (default: %(default)s)"
+    )
     parser.add_argument("--sentences", type=int_in(0), default=0, help="first N sentences only (0: all)")
     parser.add_argument("--no-length-cap", action="store_true", help="max output length 1.5*src+10 (a=1.5)")
     parser.add_argument(
@@ -165,6 +176,9 @@ def main() -> None:
 
     if args.run is not None and args.overrides:
         parser.error("--set changes the config of the run trained when --run is not given; a trained run is as it is")
+    if args.run is not None and args.config is not None:  # (stop 53: ignored)
+        parser.error("--config is the config trained when --run is not given; a trained run has its own")
+    args.config = args.config or "configs/tiny.yaml"
 
     torch.set_num_threads(args.threads)
     run_dir = args.run
@@ -172,15 +186,19 @@ def main() -> None:
         # one run per config and overrides: another --set trains its own run instead of timing this one
         tag = hashlib.sha1("\n".join(args.overrides).encode()).hexdigest()[:8] if args.overrides else ""
         run_dir = Path("runs") / f"bench_decode_{Path(args.config).stem}{'_' + tag if tag else ''}"
-        if not (run_dir / "checkpoints" / "best.pt").is_file():
+        # a run stopped before its end (Ctrl-C) is resumed to it, not timed half-trained (stop 53);
+        # a finished one's resume trains nothing
+        if (run_dir / "checkpoints" / "last.pt").is_file():
+            train_args = ["train", "--run-dir", str(run_dir), "--resume"]
+        else:
             train_args = ["train", "--config", args.config, "--run-dir", str(run_dir)]
             for override in args.overrides:
                 train_args += ["--set", override]
-            trained = mtx_main(train_args)
-            if trained == 130:
-                raise KeyboardInterrupt  # run_script's one line, exit code 130
-            if trained != 0:
-                raise SystemExit(f"training the benchmark run failed (exit code {trained}; its error is above)")
+        trained = mtx_main(train_args)
+        if trained == 130:
+            raise KeyboardInterrupt  # run_script's one line, exit code 130
+        if trained != 0:
+            raise SystemExit(f"training the benchmark run failed (exit code {trained}; its error is above)")
     run = load_run(run_dir)
     cfg = run.cfg
     n, id_batches = split_batches(run, args.split, args.sentences, args.batch_sentences)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mtx.checkpoint import load_run  # noqa: E402
 from mtx.cli import int_in  # noqa: E402
 from mtx.data import read_lines, resolve_data_dir, split_file  # noqa: E402
-from mtx.errors import run_script  # noqa: E402
+from mtx.errors import DataError, run_script  # noqa: E402
 from mtx.search import translate_ids  # noqa: E402
 from mtx.train import pick_device  # noqa: E402
 
@@ -40,7 +40,11 @@ def decode_rows(run_dir: Path, data_dir: Path | None, split: str, sentences: int
     """Print one JSON line per setting (the module docstring's rows)."""
     run = load_run(run_dir, device=device)
     data_dir = data_dir or resolve_data_dir(run.cfg.data)
-    src = run.src_tok.encode_batch(read_lines(split_file(data_dir, split, run.cfg.data.src_lang)))
+    path = split_file(data_dir, split, run.cfg.data.src_lang)
+    lines = read_lines(path)
+    if not lines:  # (stop 53: a division by zero after decoding nothing)
+        raise DataError(f"{path}: the split is empty")
+    src = run.src_tok.encode_batch(lines)
     src = src[:sentences] if sentences else src
     d = run.cfg.decode
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -109,7 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", type=Path, required=True, help="trained run directory")
     parser.add_argument("--data-dir", type=Path, help="folder of the split's files (default: the run's data.dir)")
-    parser.add_argument("--split", default="test_2016_flickr")
+    parser.add_argument("--split", default="test_2016_flickr", help="the split decoded (default: %(default)s)")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, cpu (default: cuda)")
     parser.add_argument("--sentences", type=int_in(0), default=0, help="first N sentences only (0: all)")
     args = parser.parse_args()

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mtx.cli import int_in, thread_count, usable_cpus  # noqa: E402
 from mtx.config import Config, ModelConfig, load_config  # noqa: E402
 from mtx.data import Batch, ParallelIds, load_corpus, padding_fraction, plan_batches, resolve_data_dir, texts  # noqa: E402
-from mtx.errors import run_script  # noqa: E402
+from mtx.errors import MtxError, run_script  # noqa: E402
 from mtx.model import Dropout, Seq2Seq, make_src_mask, sinusoidal_positions  # noqa: E402
 from mtx.tokenizer import PAD, train_bpe  # noqa: E402
 from mtx.train import (  # noqa: E402
@@ -202,11 +202,22 @@ def make_step(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="configs/multi30k_de_en.yaml")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--config", default="configs/multi30k_de_en.yaml", help="the config timed (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config key (repeatable)",
+    )
     parser.add_argument("--steps", type=int_in(1), default=12, help="timed steps per setting")
     parser.add_argument("--warmup", type=int_in(0), default=3, help="untimed steps per setting")
-    parser.add_argument("--threads", type=thread_count(), default=min(2, usable_cpus()))
+    parser.add_argument(
+        "--threads", type=thread_count(), default=min(2, usable_cpus()), help="CPU threads (default: %(default)s)"
+    )
     parser.add_argument("--compile", action="store_true", help="also time mtx under torch.compile")
     parser.add_argument("--ablate", action="store_true", help="also time mtx with each speed change undone")
     args = parser.parse_args()
@@ -218,6 +229,12 @@ def main() -> None:
     tok = train_bpe(src + tgt, cfg.tokenizer)
     ids = ParallelIds.encode(src, tgt, tok, tok, cfg.data.max_len)
     plan = plan_batches(ids.src_lens, ids.tgt_lens, cfg.train.batch_tokens, seed=cfg.train.seed)
+    if len(plan) < args.warmup + args.steps:  # a small train split (stop 53: a division by zero after the warmup)
+        raise MtxError(
+            f"{data_dir}: {cfg.data.train_split} makes {len(plan)} batches of train.batch_tokens="
+            f"{cfg.train.batch_tokens}, fewer than --warmup {args.warmup} + --steps {args.steps}; "
+            "lower them or train.batch_tokens"
+        )
     batches = [ids.batch(p) for p in plan[: args.warmup + args.steps]]
     vocab = tok.vocab_size
 

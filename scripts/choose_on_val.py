@@ -47,8 +47,8 @@ from mtx.checkpoint import (  # noqa: E402
 )
 from mtx.cli import thread_count, usable_cpus  # noqa: E402
 from mtx.config import MAX_LENGTH_PENALTY  # noqa: E402
-from mtx.data import read_parallel, split_file  # noqa: E402
-from mtx.errors import run_script  # noqa: E402
+from mtx.data import is_test_split, read_parallel, split_file  # noqa: E402
+from mtx.errors import MtxError, run_script  # noqa: E402
 from mtx.evaluate import PAIRED_SAMPLES, corpus_scores, paired_tests  # noqa: E402
 from mtx.model import Ensemble, Seq2Seq  # noqa: E402
 from mtx.search import translate  # noqa: E402
@@ -144,6 +144,11 @@ def choose(args: argparse.Namespace) -> None:
     cfg = run.cfg
     data_dir = Path(cfg.data.dir)
     split = cfg.data.valid_split  # the split training validated on (`val` on Multi30k)
+    if is_test_split(split):  # (stop 53: it scored, and chose, on it)
+        raise MtxError(
+            f"{args.run}: data.valid_split is {split}, a test split; choose_on_val chooses on validation data "
+            "only (a run that validates on val: data.valid_split: val)"
+        )
     src, refs = read_parallel(
         split_file(data_dir, split, cfg.data.src_lang), split_file(data_dir, split, cfg.data.tgt_lang)
     )

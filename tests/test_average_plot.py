@@ -247,6 +247,13 @@ def test_choose_on_val_scores_the_split_training_validated_on(run_copy: Path, sm
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"{run_copy}: dev, beam ")
+    # never a test split, whatever the config says (stop 53: it chose on test_2016_flickr)
+    config.write_text(config.read_text().replace("valid_split: dev\n", "valid_split: test_2016_flickr\n"))
+    refused = subprocess.run([sys.executable, str(script), "--run", str(run_copy)], capture_output=True, text=True)
+    assert refused.returncode == 1 and refused.stderr.strip() == (
+        f"choose_on_val: error: {run_copy}: data.valid_split is test_2016_flickr, a test split; choose_on_val "
+        "chooses on validation data only (a run that validates on val: data.valid_split: val)"
+    )
 
 
 def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run_copy: Path) -> None:

@@ -115,9 +115,13 @@ def test_bench_ctranslate2_converts_through_mtx_export(tiny_run: Path) -> None:
     pytest.importorskip("ctranslate2", reason="no CTranslate2 on this platform (the optional extra mtx[export])")
     script = SCRIPT.with_name("bench_ctranslate2.py")
     args = [sys.executable, str(script), "--run", str(tiny_run), "--sentences", "16", "--rounds", "1", "--beam", "2"]
-    result = json.loads(subprocess.run(args, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    result = json.loads(
+        subprocess.run([*args, "--threads", "1"], capture_output=True, text=True, check=True).stdout.splitlines()[-1]
+    )
     # the tiny model's outputs often run to the length cap, which CTranslate2 applies per batch
     assert result["greedy_agreement_ended"] >= 0.9 and result["ct2_greedy_tok_per_s"] > 0, result
+    # no more threads for CTranslate2 than --threads (stop 53: 2 workers of 1 thread against mtx's 1)
+    assert result["ct2_greedy_workers"] == result["ct2_beam_workers"] == 1
 
 
 @pytest.mark.parametrize(
@@ -127,17 +131,23 @@ def test_bench_ctranslate2_converts_through_mtx_export(tiny_run: Path) -> None:
         ("bench_gpu.py", ["--run", "{tmp}/nowhere", "--device", "cpu"], "{tmp}/nowhere: run directory not found"),
         ("bench_gpu.py", ["--run", "{tmp}", "--device", "nosuch"], "--device: unknown device 'nosuch'"),
         ("bench_train.py", ["--config", "{tmp}/none.yaml"], "{tmp}/none.yaml: config file not found"),
+        # an empty split (stop 53: a division by zero after decoding nothing)
+        ("bench_gpu.py", ["--run", "{run}", "--device", "cpu", "--data-dir", "{tmp}"], "{tmp}/test_2016_flickr.de"),
+        # fewer batches than steps to time (stop 53: a division by zero)
+        ("bench_train.py", ["--config", "{tiny}", "--set", "data.dir={data}", "--steps", "999"], "{data}: train makes"),
     ],
 )
 def test_benchmarks_report_a_user_mistake_in_one_line(
-    tmp_path: Path, script: str, args: list[str], message: str
+    tmp_path: Path, tiny_run: Path, mini_data: Path, script: str, args: list[str], message: str
 ) -> None:
-    argv = [sys.executable, str(SCRIPT.with_name(script)), *(a.format(tmp=tmp_path) for a in args)]
+    (tmp_path / "test_2016_flickr.de").write_text("")
+    names = {"tmp": tmp_path, "run": tiny_run, "data": mini_data, "tiny": TINY_CONFIG}
+    argv = [sys.executable, str(SCRIPT.with_name(script)), *(a.format(**names) for a in args)]
     result = subprocess.run(argv, capture_output=True, text=True)
     prog = script.removesuffix(".py")
     assert result.returncode == 1, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {message.format(tmp=tmp_path)}"), result.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {message.format(**names)}"), result.stderr
 
 
 @pytest.mark.parametrize(
@@ -148,6 +158,7 @@ def test_benchmarks_report_a_user_mistake_in_one_line(
         ("bench_train.py", ["--steps", "-2"], "argument --steps: must be >= 1, got -2"),
         # --set configures the run trained without --run; it was ignored beside --run
         ("bench_decode.py", ["--run", ".", "--set", "model.d_model=256"], "--set changes the config of the run"),
+        ("bench_decode.py", ["--run", ".", "--config", "x.yaml"], "--config is the config trained when --run"),
     ],
 )
 def test_benchmarks_refuse_counts_out_of_range_before_any_work(script: str, args: list[str], message: str) -> None:

@@ -408,6 +408,18 @@ def test_eval_never_writes_over_a_file_it_reads_or_another_systems_hypotheses(
     )
 
 
+def test_verbose_adds_the_traceback_of_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """README: `mtx -v` shows the traceback behind a one-line error (stop 53: only a path that could
+    not be written had one; mtx's own errors printed the line alone)."""
+    args = ["translate", "--run", str(tmp_path / "nowhere"), "x"]
+    assert main(args) == 1
+    plain = capsys.readouterr().err
+    assert plain == f"mtx: error: {tmp_path / 'nowhere'}: run directory not found\n"
+    assert main(["-v", *args]) == 1
+    verbose = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in verbose and verbose.endswith(plain)
+
+
 def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision() -> None:
     cfg = load_config(REPO / "configs" / "tiny.yaml")
 

@@ -100,6 +100,8 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("train:\n  lr: -1\n", r"train.lr must be > 0"),
         ("train:\n  lr: .nan\n", "train.lr must be a finite number, got nan"),
         ("decode:\n  length_penalty: .inf\n", "decode.length_penalty must be a finite number, got inf"),
+        ("data:\n  dir: ''\n", "data.dir must not be empty"),  # it read the current directory (stop 53)
+        ("data:\n  valid_split: ' '\n", "data.valid_split must not be empty"),
         # larger penalties overflowed a float in the search (a traceback; stop 53)
         ("decode:\n  length_penalty: 11\n", "decode.length_penalty must be at most 10, got 11.0"),
         # integers past 2**53 overflowed the lr schedule's floats (a traceback after last.pt; stop 53)
@@ -161,6 +163,12 @@ def test_overrides_convert_to_field_types() -> None:
         load_config(None, ["train.max_steps=1e-1"])
     with pytest.raises(ConfigError, match="train.clip_norm must be a finite number, got 'inf'"):
         load_config(None, ["train.clip_norm=inf"])
+    # a string key takes the text as typed (stop 53: YAML made data.dir=010 the directory 8, 1:20
+    # the number 80, and cut "my data #2" at the comment); quotes are taken off
+    sets = ["data.dir=/x/010", "data.train_split=1:20", "data.valid_split=my val #2", "data.src_lang=no"]
+    data = load_config(None, [*sets, "data.tgt_lang='0x1f'"]).data
+    assert (data.train_split, data.valid_split, data.src_lang, data.tgt_lang) == ("1:20", "my val #2", "no", "0x1f")
+    assert load_config(None, ["data.dir=010"]).data.dir.endswith("010")
 
 
 def test_override_errors() -> None:

@@ -16,6 +16,7 @@ from mtx.data import (
     epoch_batches,
     epoch_length,
     eval_split_files,
+    is_test_split,
     load_corpus,
     padding_fraction,
     plan_batches,
@@ -297,3 +298,9 @@ def test_a_failed_write_leaves_no_partial_file(
     with pytest.raises(OSError, match="No space left"):  # `mtx` prints it as one line (tests/test_cli.py)
         eval_split_files(small_data, "test_2017_flickr", "de", "en")
     assert list((tmp_path / "cache" / "mtx" / "multi30k").iterdir()) == []
+
+
+def test_test_splits_are_known_by_name() -> None:
+    """What choose_on_val refuses to choose on, and training warns about validating on."""
+    assert all(map(is_test_split, ["test_2016_flickr", "test_2017_mscoco", "test_2018_flickr", "test", "Test2020"]))
+    assert not any(map(is_test_split, ["val", "dev", "train", "valid_test_like"]))

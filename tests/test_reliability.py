@@ -132,6 +132,12 @@ def test_resume_is_bit_identical_across_epoch_boundaries(tmp_path: Path, mini_da
     events = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "train"] == list(range(1, 41))
     assert [e["step"] for e in events if e["event"] == "valid"] == [10, 20, 30, 40]
+    # with the same numbers as the straight run's, times aside
+    timed = ("tgt_tok_per_s", "elapsed_s")
+    straight_events = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in e.items() if k not in timed} for e in events] == [
+        {k: v for k, v in e.items() if k not in timed} for e in straight_events
+    ]
 
 
 def test_bpe_dropout_resegments_each_epoch_and_a_resumed_epoch_keeps_its_own(tmp_path: Path, mini_data: Path) -> None:
@@ -236,6 +242,21 @@ def test_diversify_adds_the_models_translations_and_resumes_exactly(tmp_path: Pa
     backward = [(s, t) for s, t in zip(synthetic.src_ids, synthetic.tgt_ids, strict=True) if t in real.tgt_ids]
     assert forward and backward and len(forward) + len(backward) >= len(synthetic)
     assert set(map(tuple, real.tgt_ids)) != {tuple(t) for _, t in forward}
+
+    # --resume --set train.diversify=0 leaves them out from here on (stop 53: every later epoch
+    # kept them), from the next epoch, since the current one's plan held them
+    off = ["train", "--run-dir", str(split), "--resume", "--set", "train.diversify=0", "--set", "train.max_steps=75"]
+    assert main(off) == 0
+    after = load_weights_only(split / "checkpoints" / "last.pt")
+    assert "synthetic" not in after and after["state"]["diversified_epoch"] == -1
+    assert after["state"]["epoch"] == b["state"]["epoch"] + 1
+    assert "train.diversify changed in the middle of epoch" in (split / "train.log").read_text()
+    # and it cannot start in a run never trained both ways (the model translates tgt -> src)
+    one_way = tmp_path / "one_way"
+    assert main(mini_args(mini_data, one_way, "--set", "train.max_steps=25", "--set", "train.eval_every=100")) == 0
+    both = ["--set", "train.bidirectional=0.9", "--set", "train.diversify=0.5", "--set", "train.max_steps=60"]
+    result = mtx("train", "--run-dir", str(one_way), "--resume", *both)
+    assert_one_line_error(result, "train.diversify translates train both ways with the model")
 
 
 @pytest.mark.parametrize("change", ["train.seed=2", "train.batch_tokens=2000"])
@@ -653,7 +674,20 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
     (
         "checkpoint of another model shape",
         lambda t, d, r: (["translate", "--run", str(_other_shape(r, t)), "x"], None),
-        ("model shape differs", "the config gives [256, 64]"),
+        ("the checkpoint was trained with model.d_ff=128, the run's config has 256",),
+    ),
+    (
+        "checkpoint of another n_heads (no shape changes: it loaded into the wrong model before stop 53)",
+        lambda t, d, r: (["translate", "--run", str(_other_setting(r, t, "n_heads: 4", "n_heads: 8")), "x"], None),
+        ("last.pt: the checkpoint was trained with model.n_heads=4, the run's config has 8",),
+    ),
+    (
+        "checkpoint without FixNorm (no shape changes)",
+        lambda t, d, r: (
+            ["translate", "--run", str(_other_setting(r, t, "fix_norm: false", "fix_norm: true")), "x"],
+            None,
+        ),
+        ("the checkpoint was trained with model.fix_norm=False, the run's config has True",),
     ),
     (
         "resume changing the model shape",
@@ -701,6 +735,27 @@ def _other_vocab(run: Path, tmp: Path, small_data: Path) -> Path:
     copy = copy_run(run, tmp / "run")
     _other_tokenizer(copy, small_data)
     return copy
+
+
+def _other_setting(run: Path, tmp: Path, old: str, new: str) -> Path:
+    copy = copy_run(run, tmp / "run")
+    _edit(copy / "config.yaml", old, new)
+    return copy
+
+
+def test_a_restricted_checkpoint_of_a_larger_vocabulary_is_a_one_line_error(
+    tiny_restricted_run: Path, tmp_path: Path
+) -> None:
+    """Another run's restricted-output checkpoint whose pieces lie beyond this run's vocabulary:
+    the model was built from its output ids before the vocabularies were compared, a traceback
+    (stop 53)."""
+    ckpt = load_weights_only(tiny_restricted_run / "checkpoints" / "last.pt")
+    ckpt["vocab"] = "another:vocabulary"
+    ckpt["model"]["output_ids"] = torch.cat([ckpt["model"]["output_ids"], torch.tensor([5000])])
+    other = tmp_path / "other.pt"
+    torch.save(ckpt, other)
+    result = mtx("translate", "--run", str(tiny_restricted_run), "--checkpoint", str(other), "x")
+    assert_one_line_error(result, f"{other}: vocabulary differs from the run's tokenizer")
 
 
 def _other_shape(run: Path, tmp: Path) -> Path:

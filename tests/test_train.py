@@ -280,6 +280,9 @@ def test_fast_dropout_keeps_the_right_share_and_scale() -> None:
     a = dropout(x, 0.3, training=True)
     torch.manual_seed(1)
     assert torch.equal(a, dropout(x, 0.3, training=True))  # seeded by torch's generator
+    # a rate just below 1 (the config takes [0, 1)) keeps 1 in 65,536 (stop 53: a division by zero)
+    y = dropout(torch.ones(1_000_000), 0.999995, training=True)
+    assert 0 < int((y > 0).sum()) < 40 and y.max().item() == 65536.0
 
 
 def _final_loss(run_dir: Path) -> float:
