@@ -86,6 +86,11 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.NOTSET if verbose else logging.WARNING)
 
 
+def add_set_option(p: argparse.ArgumentParser, help_text: str) -> None:
+    """`--set KEY=VALUE` (repeatable) into `args.overrides`: mtx train's and the benchmarks'."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text)
+
+
 def _add_decode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", required=True, type=Path, help="run directory written by mtx train")
     p.add_argument(
@@ -138,14 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", type=Path, help="YAML config, e.g. configs/multi30k_de_en.yaml")
     p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<config name>)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key by its dotted name, e.g. --set train.max_steps=200 (repeatable)",
-    )
+    add_set_option(p, "override a config key by its dotted name, e.g. --set train.max_steps=200 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from checkpoints/last.pt")
 
     p = sub.add_parser(

@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
-from mtx.cli import int_in, thread_count, usable_cpus  # noqa: E402
+from mtx.cli import add_set_option, int_in, thread_count, usable_cpus  # noqa: E402
 from mtx.cli import main as mtx_main  # noqa: E402
 from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
@@ -133,14 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, help="trained run directory (default: train one)")
     parser.add_argument("--config", help="config to train when --run is not given (default: configs/tiny.yaml)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config key of the run trained when --run is not given (repeatable)",
-    )
+    add_set_option(parser, "a config key of the run trained when --run is not given (repeatable)")
     parser.add_argument("--split", default="test_2016_flickr", help="the split decoded (default: %(default)s)")
     parser.add_argument(
         "--threads", type=thread_count(), default=min(2, usable_cpus()), help="CPU threads (default: %(default)s)"

@@ -34,7 +34,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtx.cli import int_in, thread_count, usable_cpus  # noqa: E402
+from mtx.cli import add_set_option, int_in, thread_count, usable_cpus  # noqa: E402
 from mtx.config import Config, ModelConfig, load_config  # noqa: E402
 from mtx.data import Batch, ParallelIds, load_corpus, padding_fraction, plan_batches, resolve_data_dir, texts  # noqa: E402
 from mtx.errors import MtxError, run_script  # noqa: E402
@@ -205,14 +205,7 @@ def main() -> None:
     parser.add_argument(
         "--config", default="configs/multi30k_de_en.yaml", help="the config timed (default: %(default)s)"
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a config key (repeatable)",
-    )
+    add_set_option(parser, "a config key (repeatable)")
     parser.add_argument("--steps", type=int_in(1), default=12, help="timed steps per setting")
     parser.add_argument("--warmup", type=int_in(0), default=3, help="untimed steps per setting")
     parser.add_argument(
