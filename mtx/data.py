@@ -122,7 +122,14 @@ def text_lines(raw: bytes, source: str, what: str) -> list[str]:
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    return [line.strip() for line in lines]
+    stripped = [line.strip() for line in lines]
+    for i, line in enumerate(stripped, 1):
+        if "\r" in line:  # (stop 53: a file of CR-only line ends read as one line, a whole corpus as one pair)
+            raise DataError(
+                f"{source}: line {i} holds a carriage return: lines that end in CR alone (classic Mac OS) "
+                f"are not read as lines; convert {what} to LF or CRLF line ends"
+            )
+    return stripped
 
 
 def _raw_lines(stream: BinaryIO) -> Iterator[tuple[bytes, bool]]:

@@ -97,6 +97,10 @@ def test_text_lines_keeps_inner_empty_lines_and_names_the_source() -> None:
     assert text_lines("\ufeffEin Hund.\nb".encode(), "x", "the file") == ["Ein Hund.", "b"]
     with pytest.raises(DataError, match=r"^standard input: line 2 is not valid UTF-8; re-encode the input as UTF-8$"):
         text_lines(b"ok\n\xff\n", "standard input", "the input")
+    # CR-only line ends (classic Mac OS) read a whole file as one line (stop 53): an error instead
+    with pytest.raises(DataError, match=r"^train.de: line 1 holds a carriage return: .* convert the file to LF"):
+        text_lines(b"Ein Hund.\rEine Katze.\r", "train.de", "the file")
+    assert text_lines(b"a\r\nb\r\n", "x", "the file") == ["a", "b"]  # CRLF is fine
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 10])
