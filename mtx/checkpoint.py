@@ -35,6 +35,13 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+def run_files(run_dir: Path) -> list[Path]:
+    """A run's own files besides its checkpoints: config.yaml, metrics.jsonl, train.log and the
+    tokenizer(s), which its commands read or training writes."""
+    names = (CONFIG_FILE, "metrics.jsonl", "train.log")
+    return [run_dir / name for name in names] + sorted(run_dir.glob("tokenizer*.json"))
+
+
 def step_checkpoints(run_dir: Path) -> list[Path]:
     """`checkpoints/step_N.pt` files, oldest step first."""
     paths = checkpoint_dir(run_dir).glob("step_*.pt")
@@ -186,6 +193,11 @@ def check_same_model(ckpt: dict[str, Any], path: Path, vocab: str, model_cfg: Mo
 def check_compatible(ckpt: dict[str, Any], path: Path, vocab: str, model: Seq2Seq) -> None:
     """One-line errors when a checkpoint's vocabulary, model settings or shapes differ from the run's."""
     check_same_model(ckpt, path, vocab, model.cfg)
+    check_shapes(ckpt, path, model)
+
+
+def check_shapes(ckpt: dict[str, Any], path: Path, model: Seq2Seq) -> None:
+    """A one-line error when a checkpoint's weights do not fit `model` (names and shapes)."""
     expected = shape_fingerprint(model)
     got = {k: list(v.shape) for k, v in ckpt["model"].items()}
     if got != expected:
@@ -264,7 +276,7 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
         check_direction(ckpt, path, cfg)
         check_same_model(ckpt, path, vocab_fingerprint(src_tok, tgt_tok), cfg.model)  # before building it
         member = build_model(cfg, src_tok, tgt_tok, saved_output_ids(ckpt, path, cfg))
-        check_compatible(ckpt, path, vocab_fingerprint(src_tok, tgt_tok), member)
+        check_shapes(ckpt, path, member)
         member.load_state_dict(ckpt["model"])
         member.eval()
         if device is not None:
@@ -332,7 +344,7 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
     src_tok, tgt_tok = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
     check_same_model(payload, chosen[-1], vocab_fingerprint(src_tok, tgt_tok), cfg.model)  # before building it
     model = build_model(cfg, src_tok, tgt_tok, saved_output_ids(payload, chosen[-1], cfg))
-    check_compatible(payload, chosen[-1], vocab_fingerprint(src_tok, tgt_tok), model)
+    check_shapes(payload, chosen[-1], model)
     atomic_save(payload, out)
     if as_best:
         make_best(run_dir, payload)

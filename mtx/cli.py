@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtx import __version__
-from mtx.config import CONFIG_FILE, MAX_LENGTH_PENALTY, QUANTIZATIONS, STOPS
+from mtx.config import MAX_LENGTH_PENALTY, QUANTIZATIONS, STOPS
 from mtx.errors import MtxError, os_error_line
 
 if TYPE_CHECKING:
@@ -497,12 +497,6 @@ def _check_file_path(option: str, path: Path, what: str) -> None:
     _check_parents(option, path)
 
 
-def _run_files(run_dir: Path) -> list[Path]:
-    """A run's own files besides its checkpoints, which its commands read or training appends to."""
-    names = (CONFIG_FILE, "metrics.jsonl", "train.log")
-    return [run_dir / name for name in names] + sorted(run_dir.glob("tokenizer*.json"))
-
-
 def _same_file(path: Path, others: Iterable[Path | None]) -> bool:
     return path.exists() and any(o is not None and o.exists() and path.samefile(o) for o in others)
 
@@ -546,7 +540,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
     cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
-    from mtx.checkpoint import atomic_write_text, checkpoint_dir
+    from mtx.checkpoint import atomic_write_text, checkpoint_dir, run_files
     from mtx.data import eval_split_files, read_lines, read_parallel
     from mtx.search import translate
 
@@ -586,7 +580,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"the {name} split's source file": [split_files[0]],
             f"the {name} split's reference file": [split_files[1]],
             "a checkpoint": [*run.checkpoints, *checkpoint_dir(args.run).glob("*")],
-            "one of the run's own files": _run_files(args.run),
+            "one of the run's own files": run_files(args.run),
         },
     )
     with _progress_bar(f"decoding {name}", len(src)) as bar:
@@ -669,13 +663,13 @@ def _interval(mean: float | None, ci: float | None) -> str:
 
 
 def cmd_average(args: argparse.Namespace) -> int:
-    from mtx.checkpoint import average_run
+    from mtx.checkpoint import average_run, run_files
 
     if args.out is not None:
         _check_file_path("--out", args.out, "the average's file path")
         if args.out.exists() and not args.out.is_file():  # a device or a pipe: never replaced by a file
             raise MtxError(f"--out {args.out} is not a regular file; give a file path for the average")
-        if _same_file(args.out, _run_files(args.run)):
+        if _same_file(args.out, run_files(args.run)):
             raise MtxError(f"--out {args.out} is one of the run's own files; give another path for the average")
     out, chosen = average_run(args.run, args.last, args.out, args.as_best)
     print(f"averaged {len(chosen)} checkpoints ({', '.join(p.name for p in chosen)}) into {out}")

@@ -1537,10 +1537,8 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
             if previous != config_text(cfg):
                 note = "%s held a start that ended before its first checkpoint, with another config: starting anew"
                 log.warning(note, run_dir)
-            for name in (ckpt_io.CONFIG_FILE, "train.log"):  # what a start writes before its first save
-                (run_dir / name).unlink(missing_ok=True)
-            for path in run_dir.glob("tokenizer*.json"):
-                path.unlink()
+            for path in ckpt_io.run_files(run_dir):  # what a start writes before its first save
+                path.unlink(missing_ok=True)
             shutil.rmtree(ckpt_io.checkpoint_dir(run_dir), ignore_errors=True)  # no .pt: temporary files at most
         run_dir.mkdir(parents=True, exist_ok=True)
         paths = tokenizer_paths(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.checkpoint import load_run  # noqa: E402
 from mtx.cli import int_in  # noqa: E402
-from mtx.data import read_lines, resolve_data_dir, split_file  # noqa: E402
-from mtx.errors import DataError, run_script  # noqa: E402
+from mtx.data import read_parallel, resolve_data_dir, split_file  # noqa: E402
+from mtx.errors import run_script  # noqa: E402
 from mtx.search import translate_ids  # noqa: E402
 from mtx.train import pick_device  # noqa: E402
 
@@ -40,10 +40,10 @@ def decode_rows(run_dir: Path, data_dir: Path | None, split: str, sentences: int
     """Print one JSON line per setting (the module docstring's rows)."""
     run = load_run(run_dir, device=device)
     data_dir = data_dir or resolve_data_dir(run.cfg.data)
-    path = split_file(data_dir, split, run.cfg.data.src_lang)
-    lines = read_lines(path)
-    if not lines:  # (stop 53: a division by zero after decoding nothing)
-        raise DataError(f"{path}: the split is empty")
+    # read_parallel refuses an empty split (stop 53: a division by zero after decoding nothing)
+    lines, _ = read_parallel(
+        *(split_file(data_dir, split, lang) for lang in (run.cfg.data.src_lang, run.cfg.data.tgt_lang))
+    )
     src = run.src_tok.encode_batch(lines)
     src = src[:sentences] if sentences else src
     d = run.cfg.decode

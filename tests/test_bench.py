@@ -140,7 +140,8 @@ def test_bench_ctranslate2_converts_through_mtx_export(tiny_run: Path) -> None:
 def test_benchmarks_report_a_user_mistake_in_one_line(
     tmp_path: Path, tiny_run: Path, mini_data: Path, script: str, args: list[str], message: str
 ) -> None:
-    (tmp_path / "test_2016_flickr.de").write_text("")
+    for lang in ("de", "en"):
+        (tmp_path / f"test_2016_flickr.{lang}").write_text("")
     names = {"tmp": tmp_path, "run": tiny_run, "data": mini_data, "tiny": TINY_CONFIG}
     argv = [sys.executable, str(SCRIPT.with_name(script)), *(a.format(**names) for a in args)]
     result = subprocess.run(argv, capture_output=True, text=True)
