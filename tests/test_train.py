@@ -304,7 +304,10 @@ def test_bf16_converges_like_fp32(tmp_path: Path, small_data: Path, monkeypatch:
     monkeypatch.setattr(train_module, "label_smoothed_loss", recording)
     for amp in ("fp32", "bf16"):
         run = tmp_path / amp
-        args = tiny_args(small_data, run, "--set", "train.max_steps=80", "--set", f"train.amp={amp}")
+        # the CPU's autocast is what is recorded; auto would pick a GPU where there is one (stop 54)
+        args = tiny_args(
+            small_data, run, "--set", "train.max_steps=80", "--set", f"train.amp={amp}", "--set", "train.device=cpu"
+        )
         assert main([*args, "--set", "train.eval_every=80", "--set", "train.log_every=20"]) == 0
         losses[amp] = _final_loss(run)
     assert losses["fp32"] < 5.5  # it did learn (starts near ln(1000) = 6.9)
