@@ -9,6 +9,7 @@ Temporary files left by a writer that was killed mid-save are removed at the nex
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -16,7 +17,7 @@ import re
 import shutil
 import warnings
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -46,6 +47,29 @@ def step_checkpoints(run_dir: Path) -> list[Path]:
     """`checkpoints/step_N.pt` files, oldest step first."""
     paths = checkpoint_dir(run_dir).glob("step_*.pt")
     return sorted(paths, key=lambda p: int(p.stem.split("_", 1)[1]) if p.stem.split("_", 1)[1].isdigit() else -1)
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path, fix: str = "wait for it to end, or choose another --run-dir") -> Iterator[None]:
+    """Hold an exclusive lock on the run directory (`flock` on the directory itself; the system
+    releases it when the process ends, `kill -9` included), or raise a one-line error that ends
+    with `fix`: `mtx train` holds it while it runs. Stop 54: a second start took the first one's
+    config and tokenizer for a dead start's and deleted them, and both trainings then wrote the
+    same checkpoints and metrics.jsonl. Without `fcntl` (Windows) there is no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CheckpointError(f"{run_dir}: an mtx train is using this run directory; {fix}") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -98,8 +122,16 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
         _fsync_dir(path.parent)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot write ({e.strerror or e}); the previous file is unchanged") from None
+    except RuntimeError as e:  # torch.save's writer on a full disk: "unexpected pos ..." (stop 54: a traceback)
+        free = shutil.disk_usage(path.parent).free
+        raise CheckpointError(
+            f"{path}: cannot write ({str(e).splitlines()[0][:120]}; {free / 2**20:.1f} MiB left on its disk); "
+            "the previous file is unchanged"
+        ) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        # a read-only file system: nothing was written (stop 54: unlink's error hid the real one)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def atomic_save(obj: dict[str, Any], path: Path) -> None:
@@ -135,6 +167,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         with zipfile.ZipFile(path) as archive:
             bad_member = archive.testzip()
+    except PermissionError as e:  # (stop 54: called corrupted, which could get a good file deleted)
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
     except (zipfile.BadZipFile, OSError, EOFError, ValueError):
         raise CheckpointError(
             f"{path}: truncated or corrupted checkpoint (not a complete torch.save archive); refused to load"
@@ -327,6 +361,11 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
     """Average the run's `last` newest step checkpoints into `out` (and optionally best.pt).
 
     The previous best.pt is kept as best_single.pt, so nothing is lost."""
+    if not run_dir.is_dir():  # (stop 54: "no checkpoints/step_N.pt to average")
+        raise CheckpointError(f"{run_dir}: run directory not found")
+    if as_best:  # said before the average is made (make_best holds the lock to change best.pt)
+        with run_dir_lock(run_dir, _WHILE_TRAINING):
+            pass
     steps = step_checkpoints(run_dir)
     if not steps:
         raise CheckpointError(f"{run_dir}: no checkpoints/step_N.pt to average (train with train.keep_last > 0)")
@@ -349,6 +388,23 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
     if as_best:
         make_best(run_dir, payload)
     return out, chosen
+
+
+def any_runs_file(path: Path) -> Path | None:
+    """The run whose own file or training checkpoint `path` is, whichever run that is (stop 54:
+    eval --output and average --out checked the --run's files only, and wrote over another
+    run's last.pt); None for any other path."""
+    if _training_file(path, path.parent.parent) and (path.parent.parent / CONFIG_FILE).is_file():
+        return path.parent.parent
+    if (path.parent / CONFIG_FILE).is_file() and _same_path(path, run_files(path.parent)):
+        return path.parent
+    return None
+
+
+def _same_path(path: Path, others: list[Path]) -> bool:
+    """Whether `path` names one of `others` (existing or not: a run's train.log may be missing)."""
+    here = os.path.realpath(path)
+    return any(os.path.realpath(o) == here for o in others)
 
 
 def _training_file(path: Path, run_dir: Path) -> bool:
@@ -432,8 +488,13 @@ def make_best(run_dir: Path, payload: dict[str, Any]) -> Path:
     saved there is kept as best_single.pt (an earlier chosen average there as best_average.pt),
     so nothing is lost, whenever it is interrupted."""
     ckpts = checkpoint_dir(run_dir)
-    _save_best(ckpts, payload, ckpts / (BEST_AVERAGE if _average_in_best(ckpts) else BEST_SINGLE))
+    with run_dir_lock(run_dir, _WHILE_TRAINING):  # training replaces best.pt too
+        _save_best(ckpts, payload, ckpts / (BEST_AVERAGE if _average_in_best(ckpts) else BEST_SINGLE))
     return ckpts / BEST
+
+
+# (stop 54: a chosen average made best.pt while training saved a new best could lose best_single.pt)
+_WHILE_TRAINING = "best.pt can be changed once it has ended"
 
 
 def best_single(run_dir: Path) -> Path:
@@ -447,10 +508,11 @@ def restore_best_single(run_dir: Path) -> Path:
     held best.pt is kept as best_average.pt."""
     ckpts = checkpoint_dir(run_dir)
     best, single = ckpts / BEST, ckpts / BEST_SINGLE
-    if _average_in_best(ckpts):
-        if best.is_file():
-            _link(best, ckpts / BEST_AVERAGE)
-        os.replace(single, best)
+    with run_dir_lock(run_dir, _WHILE_TRAINING):
+        if _average_in_best(ckpts):
+            if best.is_file():
+                _link(best, ckpts / BEST_AVERAGE)
+            os.replace(single, best)
     return best
 
 

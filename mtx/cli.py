@@ -349,6 +349,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
         raise MtxError(f"--buffer-lines must be >= 1, got {args.buffer_lines}")
     if not from_stdin and "-" in texts:
         raise MtxError("'-' (read standard input) cannot be mixed with TEXT arguments")
+    if from_stdin and sys.stdin is None:  # (stop 54: an AttributeError's traceback)
+        raise MtxError("standard input is closed; give the sentences as TEXT arguments or on standard input")
     for i, text in enumerate([] if from_stdin else texts, 1):
         try:
             text.encode("utf-8")
@@ -357,7 +359,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     _, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
     if not 1 <= args.nbest <= beam:
         raise MtxError(f"--nbest must be between 1 and --beam ({beam}), got {args.nbest}")
-    from mtx.data import stream_lines
+    from mtx.data import clean_line, stream_lines
     from mtx.search import translate_ids
 
     chunks: Iterable[tuple[int, list[str]]]
@@ -367,7 +369,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
         show_bar = not terminal and not sys.stdout.isatty()
         chunks = stream_lines(sys.stdin.buffer, args.buffer_lines, "standard input", "the input")
     else:
-        terminal, show_bar, chunks = False, False, [(0, [t.strip() for t in texts])]
+        terminal, show_bar, chunks = False, False, [(0, [clean_line(t) for t in texts])]
     run = _load(args)
     dc = run.cfg.decode
     if terminal:
@@ -516,6 +518,16 @@ def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> Non
         raise MtxError(f"--output {output}: cannot write to {output.parent}")
 
 
+def _is_stdout(path: Path) -> bool:
+    """Whether `path` is the file standard output writes to (`/dev/stdout`, or the file it is
+    redirected to)."""
+    try:
+        ours, theirs = os.fstat(sys.stdout.fileno()), os.stat(path)
+    except (OSError, ValueError, AttributeError):  # no such path; a stream without a descriptor
+        return False
+    return (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino)
+
+
 def _written_through(output: Path) -> bool:
     """Whether `output` is written by opening it (`/dev/null`, `/dev/stdout`, a pipe, a symbolic
     link) rather than replaced atomically by a new regular file."""
@@ -540,8 +552,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
     cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
-    from mtx.checkpoint import atomic_write_text, checkpoint_dir, run_files
-    from mtx.data import eval_split_files, read_lines, read_parallel
+    from mtx.checkpoint import any_runs_file, atomic_write_text, checkpoint_dir, run_files
+    from mtx.data import eval_split_files, read_lines, read_parallel, warn_unless_nfc
     from mtx.search import translate
 
     # the data and the other systems' outputs are checked before the model is loaded
@@ -556,6 +568,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         split_files = eval_split_files(data_dir, args.split, cfg.data.src_lang, cfg.data.tgt_lang)
         src, ref = read_parallel(*split_files)
         name = args.split
+    warn_unless_nfc(ref, str(args.ref or split_files[1]))
     samples = args.bootstrap or (PAIRED_SAMPLES if args.paired else 0)
     if samples * len(src) > MAX_RESAMPLED:  # before decoding; sacreBLEU would run out of memory after it
         raise MtxError(
@@ -583,6 +596,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "one of the run's own files": run_files(args.run),
         },
     )
+    other_run = any_runs_file(output)
+    if other_run is not None:
+        raise MtxError(
+            f"the hypotheses file {output} is one of the files of the run {other_run}; pass --output with another path"
+        )
     with _progress_bar(f"decoding {name}", len(src)) as bar:
         text = translate(
             run.model,
@@ -598,7 +616,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             stop=stop,
             progress=bar.update,
         )
-    if _written_through(output):
+    if _is_stdout(output):  # opened again, it would be written from its start, under the scores (stop 54)
+        with _named_os_errors("standard output"):
+            sys.stdout.write("".join(t + "\n" for t in text))
+            sys.stdout.flush()
+    elif _written_through(output):
         with _named_os_errors(str(output)), open(output, "w", encoding="utf-8") as f:
             f.write("".join(t + "\n" for t in text))
     else:
@@ -663,7 +685,7 @@ def _interval(mean: float | None, ci: float | None) -> str:
 
 
 def cmd_average(args: argparse.Namespace) -> int:
-    from mtx.checkpoint import average_run, run_files
+    from mtx.checkpoint import any_runs_file, average_run, run_files
 
     if args.out is not None:
         _check_file_path("--out", args.out, "the average's file path")
@@ -671,6 +693,11 @@ def cmd_average(args: argparse.Namespace) -> int:
             raise MtxError(f"--out {args.out} is not a regular file; give a file path for the average")
         if _same_file(args.out, run_files(args.run)):
             raise MtxError(f"--out {args.out} is one of the run's own files; give another path for the average")
+        other_run = any_runs_file(args.out)
+        if other_run is not None and not _same_file(other_run, [args.run]):
+            raise MtxError(
+                f"--out {args.out} is one of the files of the run {other_run}; give another path for the average"
+            )
     out, chosen = average_run(args.run, args.last, args.out, args.as_best)
     print(f"averaged {len(chosen)} checkpoints ({', '.join(p.name for p in chosen)}) into {out}")
     if len(chosen) < args.last:
@@ -690,7 +717,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
     default = args.run[0] / "curves.png" if len(args.run) == 1 else Path("compare.png")
     if args.out is not None:
         _check_file_path("--out", args.out, "the image's file path")
-    print(plot_runs(args.run, args.out or default, args.x))
+    out = args.out or default
+    to_stdout = _is_stdout(out)  # the image itself goes there: no path after it
+    written = plot_runs(args.run, out, args.x)
+    if not to_stdout:
+        print(written)
     return 0
 
 
@@ -712,25 +743,67 @@ COMMANDS = {
 }
 
 
+def _utf8_stdout() -> None:
+    """Standard output in UTF-8, as mtx reads its input, whatever the locale says (stop 54: on a
+    locale of another encoding, such as Windows' code page for a redirected stream, a translation
+    with a character outside it stopped with a traceback after decoding, and one inside it was
+    written in a file that mtx itself then refused as not UTF-8)."""
+    encoding = getattr(sys.stdout, "encoding", None) or ""
+    if encoding.lower().replace("-", "").replace("_", "") != "utf8" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     try:
-        return COMMANDS[args.command](args)
+        if sys.stdout is None:  # (stop 54: translate's traceback after decoding; eval's scores lost)
+            raise MtxError("standard output is closed; mtx writes its results there (redirect it to a file)")
+        _utf8_stdout()
+        code = COMMANDS[args.command](args)
+        with _named_os_errors("standard output"):  # what print() left in the buffer (eval's scores)
+            sys.stdout.flush()
+        return code
     except MtxError as e:
         if args.verbose:
             log.exception("the traceback, for -v")
         if e.report:
-            print(f"mtx: {e.prefix}{e}", file=sys.stderr)
+            _error_line(f"mtx: {e.prefix}{e}")
         return e.exit_code
     except KeyboardInterrupt:
-        print("mtx: interrupted", file=sys.stderr)
+        _error_line("mtx: interrupted")
         return 130
     except BrokenPipeError:
         return 141
     except OSError as e:  # a path that cannot be created, read or written; a full disk
         if args.verbose:
             log.exception("the traceback, for -v")
-        print(os_error_line("mtx", e), file=sys.stderr)
+        _error_line(os_error_line("mtx", e))
         return 1
+    finally:
+        _release_stdout()
+
+
+def _error_line(line: str) -> None:
+    """`line` on standard error; nowhere where it is closed (print would put it on standard
+    output, into the translations: stop 54)."""
+    if sys.stderr is not None:
+        print(line, file=sys.stderr)
+
+
+def _release_stdout() -> None:
+    """Where standard output cannot take what is left in its buffer (a full disk), point it at
+    /dev/null: Python's own flush at exit would fail again, print an "Exception ignored" block
+    and exit with 120 instead of mtx's error line and code (stop 54)."""
+    if sys.stdout is None:
+        return
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, sys.stdout.fileno())
+            os.close(null)
+        except (OSError, ValueError):
+            pass

@@ -275,14 +275,19 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
             raise ConfigError(f"{where}: {key} must be a finite number, got {value!r}")
         return number
     if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
+        if isinstance(value, str):
+            return value
         if isinstance(value, bool):  # YAML 1.1 reads no, yes, on, off, n, y as booleans
             raise ConfigError(
                 f"{where}: {key} must be a string, got {value!r}; YAML reads an unquoted no/yes/on/off as "
                 f'true or false, so quote it (e.g. {key.rpartition(".")[2]}: "no")'
             )
-        raise bad
+        # YAML's reading of unquoted text: 010 is 8, 1_000 is 1000, 2016.10 is 2016.1, 2024-01-05 a
+        # date, ~ nothing (stop 54: the number's text was taken, data.dir 010 naming directory 8)
+        raise ConfigError(
+            f"{where}: {key} must be a string, got {value!r}: YAML reads some unquoted text as a number, "
+            f'a date or null; quote it as you mean it (e.g. {key.rpartition(".")[2]}: "...")'
+        )
     raise bad
 
 
@@ -305,9 +310,16 @@ def _section_types() -> dict[str, type]:
 
 
 def _unknown(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, _all_keys() + list(_section_types()), n=1, cutoff=0.5)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return ConfigError(f"{where}: unknown key {key}{hint}")
+    """The error for an unknown key, with the closest known one, found regardless of case; a key
+    with invisible characters (a non-breaking space) is shown quoted (stop 54)."""
+    keys = _all_keys()
+    leaves = [k.rpartition(".")[2] for k in keys]  # a key put outside its section: lr for train.lr
+    known = {leaf: k for leaf, k in zip(leaves, keys, strict=True) if leaves.count(leaf) == 1}
+    known |= {k.lower(): k for k in keys + list(_section_types())}
+    close = difflib.get_close_matches(key.strip().lower(), list(known), n=1, cutoff=0.5)
+    hint = f" (did you mean {known[close[0]]}?)" if close else ""
+    shown = key if key.isprintable() and key.isascii() and key == key.strip() else repr(key)
+    return ConfigError(f"{where}: unknown key {shown}{hint}")
 
 
 def from_dict(raw: Any, where: str = "config") -> Config:
@@ -527,6 +539,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: cannot read config ({e})") from None
         try:
             raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a safe loader
+        except yaml.reader.ReaderError as e:  # a control character (stop 54: "invalid YAML" alone)
+            char = e.character if isinstance(e.character, str) else chr(e.character)
+            line = text[: e.position].count("\n") + 1
+            raise ConfigError(
+                f"{path}: line {line} holds the control character {char!r}, which YAML does not allow "
+                "(pasted terminal colours?); remove it"
+            ) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -10,6 +10,7 @@ import gzip
 import logging
 import os
 import select
+import unicodedata
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -109,27 +110,61 @@ def _not_utf8(source: str, line: int, what: str) -> DataError:
 
 
 BOM = "\ufeff"  # the byte order mark some editors (Windows Notepad) put before UTF-8 text
+# characters that show nothing and that `str.strip` keeps: the byte order mark (also read as a
+# zero-width no-break space), zero-width space, non-joiner, joiner and word joiner
+INVISIBLE = BOM + "\u200b\u200c\u200d\u2060"
+
+
+def clean_line(text: str) -> str:
+    """A line as mtx reads it: stripped of whitespace and of a byte order mark before it (one
+    starts each file that Notepad saved, and so each joined file's first line after `cat`); a line
+    of invisible characters alone (zero-width spaces) is empty (stop 54: it was translated as a
+    sentence, and passed the data's empty-line check)."""
+    line = text.strip().removeprefix(BOM).strip()
+    return "" if not line.strip(INVISIBLE).strip() else line
+
+
+def _checked_line(text: str, source: str, number: int, what: str) -> str:
+    """`clean_line`, and a carriage return left inside it a `DataError` (stop 53: a file of
+    CR-only line ends was read as one line, a whole corpus as one pair; stop 54: on standard
+    input too)."""
+    line = clean_line(text)
+    if "\r" in line:
+        raise DataError(
+            f"{source}: line {number} holds a carriage return: lines that end in CR alone (classic Mac OS) "
+            f"are not read as lines; convert {what} to LF or CRLF line ends"
+        )
+    return line
 
 
 def text_lines(raw: bytes, source: str, what: str) -> list[str]:
-    """UTF-8 bytes -> stripped lines (a last newline ends the last line, it does not start an
-    empty one; a byte order mark before the first is dropped: `str.strip` keeps it); bytes that
-    are not UTF-8 are a `DataError` naming `source` and the line."""
+    """UTF-8 bytes -> lines as `clean_line` cleans them (a last newline ends the last line, it
+    does not start an empty one); bytes that are not UTF-8 are a `DataError` naming `source` and
+    the line."""
     try:
-        text = raw.decode("utf-8").removeprefix(BOM)
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise _not_utf8(source, raw[: e.start].count(b"\n") + 1, what) from None
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    stripped = [line.strip() for line in lines]
-    for i, line in enumerate(stripped, 1):
-        if "\r" in line:  # (stop 53: a file of CR-only line ends read as one line, a whole corpus as one pair)
-            raise DataError(
-                f"{source}: line {i} holds a carriage return: lines that end in CR alone (classic Mac OS) "
-                f"are not read as lines; convert {what} to LF or CRLF line ends"
-            )
-    return stripped
+    return [_checked_line(line, source, i, what) for i, line in enumerate(lines, 1)]
+
+
+def warn_unless_nfc(lines: Sequence[str], source: str) -> None:
+    """Warn where reference lines are not in Unicode NFC form: mtx's translations are (its
+    tokenizer normalises to NFC), so BLEU and chrF against the same text in another form (NFD,
+    as some macOS tools write) come out lower, 80 instead of 100 for val.de (stop 54)."""
+    count = sum(not unicodedata.is_normalized("NFC", line) for line in lines)
+    if count:
+        log.warning(
+            "%s: %d of %d reference lines are not in Unicode NFC form, which mtx's translations are: BLEU "
+            "and chrF against them are lower than against the same text in NFC; normalise the references "
+            "to NFC (Python: unicodedata.normalize('NFC', line))",
+            source,
+            count,
+            len(lines),
+        )
 
 
 def _raw_lines(stream: BinaryIO) -> Iterator[tuple[bytes, bool]]:
@@ -153,8 +188,8 @@ def _raw_lines(stream: BinaryIO) -> Iterator[tuple[bytes, bool]]:
 
 
 def stream_lines(stream: BinaryIO, chunk: int, source: str, what: str) -> Iterator[tuple[int, list[str]]]:
-    """Lines of a binary stream, stripped as `text_lines` strips them, with the number of lines
-    before them, in lists of at most `chunk` lines: a list is yielded once it is full or the
+    """Lines of a binary stream, cleaned and checked as `text_lines` does, with the number of
+    lines before them, in lists of at most `chunk` lines: a list is yielded once it is full or the
     stream has nothing more to read at that moment, so that a writer who waits for each answer
     (a terminal, a slow pipe) gets it, while a file or a fast pipe comes in full lists. Bytes
     that are not UTF-8 are a `DataError` naming `source` and the line."""
@@ -165,7 +200,7 @@ def stream_lines(stream: BinaryIO, chunk: int, source: str, what: str) -> Iterat
             line = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise _not_utf8(source, number, what) from None
-        lines.append((line.removeprefix(BOM) if number == 1 else line).strip())
+        lines.append(_checked_line(line, source, number, what))
         if len(lines) == chunk or not more:
             yield before, lines
             before, lines = number, []

@@ -6,6 +6,7 @@ Plotting needs matplotlib, the optional extra `mtx[plot]`; comparing needs nothi
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -128,14 +129,27 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     fig.suptitle(", ".join(str(r) for r in run_dirs))
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    image_type = out.suffix[1:].lower() or "png"
+    if out.is_file() and not out.is_symlink() or not out.exists():
+        fig.savefig(out, dpi=100, format=image_type)
+    else:  # a device or pipe, which matplotlib's PNG writer cannot seek in: the image made first
+        image = io.BytesIO()
+        fig.savefig(image, dpi=100, format=image_type)
+        try:
+            with open(out, "wb") as f:
+                f.write(image.getvalue())
+        except OSError as e:  # (a full disk: the system's error names no file)
+            raise OSError(e.errno, e.strerror, str(out)) from None
     plt.close(fig)
     return out
 
 
 def _image_path(out: Path, formats: Iterable[str]) -> Path:
-    """`out`, with `.png` added where it has no suffix (matplotlib would add it unseen); an
+    """`out`, with `.png` added where it has no suffix (matplotlib would add it unseen), unless it
+    is a link, device or pipe (`/dev/stdout`: stop 54 wrote /dev/stdout.png), written through as PNG; an
     image type matplotlib cannot write is a one-line error."""
+    if out.is_symlink() or (out.exists() and not out.is_file() and not out.is_dir()):
+        return out
     if not out.suffix:
         return out.with_suffix(".png")
     if out.suffix[1:].lower() not in formats:

@@ -39,7 +39,9 @@ def max_output_lengths(src: torch.Tensor, a: float, b: int, model: Seq2Seq | Ens
     short (float32 gave 1.3 * 90 + 10 = 126.99..., a cap of 126 for 127)."""
     src_lens = (src != PAD).sum(dim=1)
     limit = model.cfg.max_positions - 1
-    return (src_lens.double() * a + b + 1e-9).floor().long().clamp(min=1, max=limit)
+    # clamped before the conversion: a huge `a` (1e20, "no cap") overflowed int64 to a negative
+    # cap, and every translation was empty (stop 54)
+    return (src_lens.double() * a + b + 1e-9).floor().clamp(min=1, max=limit).long()
 
 
 def length_penalty(length: int | torch.Tensor, alpha: float) -> float | torch.Tensor:

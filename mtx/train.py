@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import hashlib
 import json
 import logging
 import math
@@ -22,8 +23,8 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -49,6 +50,7 @@ from mtx.data import (
     plan_batches,
     resolve_data_dir,
     texts,
+    warn_unless_nfc,
 )
 from mtx.errors import CheckpointError, Interrupted, MtxError
 from mtx.evaluate import corpus_scores
@@ -746,6 +748,8 @@ class Trainer:
         if extra_texts is None:
             extra_texts = extra_source_texts(data_dir, cfg.data)
         self.extra_ids = self._extra_source_ids(*extra_texts)  # (extra language, tgt) pairs, or None
+        # what the epochs' plans are made of: a resume mid-epoch on other data starts the next epoch
+        self.data_digest = data_digest(train_src, train_tgt, *extra_texts)
         self.epoch_ids: tuple[int, ParallelIds] | None = None  # (epoch, its BPE-dropout segmentation)
         self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
         self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
@@ -763,6 +767,8 @@ class Trainer:
             )
         n_val = tc.eval_sentences or len(valid_src)
         self.valid_refs = valid_tgt[:n_val]
+        if ranks.is_main:
+            warn_unless_nfc(self.valid_refs, f"{cfg.data.valid_split}.{cfg.data.tgt_lang}")
         self.valid_ids = ParallelIds.encode(valid_src[:n_val], self.valid_refs, self.src_tok, self.tgt_tok)
         # the val loss is over the pairs the model's positions hold (EOS or BOS added to each side);
         # BLEU is over all of them, longer sources truncated as `mtx translate` does
@@ -881,6 +887,9 @@ class Trainer:
                 out["synthetic"] = self.synthetic.to_tensors()
             if self.ema is not None:
                 out["ema"] = self.ema.to_dict()
+            out["data_digest"] = self.data_digest
+            if self.cfg.train.amp == "auto" and self.device.type == "cpu":  # the timed choice, kept on resume
+                out["cpu_amp"] = "bf16" if self.amp == torch.bfloat16 else "fp32"
         return out
 
     def save(self) -> None:
@@ -912,6 +921,18 @@ class Trainer:
             ckpt.get("step", "?"),  # every checkpoint's top level (the training state only in last.pt)
         )
 
+    def _keep_cpu_precision(self, saved: str | None) -> None:
+        """`train.amp: auto` on CPU goes on in the precision the run was trained in, where this CPU
+        has native bf16: its choice comes from timing bf16 products, which a busy machine can tip
+        either way between sessions (stop 54: a bf16 run resumed in fp32 after a timing of 0.82x).
+        A CPU without native bf16 (emulated: many times slower) goes on in fp32."""
+        if saved is None or self.cfg.train.amp != "auto" or self.device.type != "cpu":
+            return
+        keep = torch.bfloat16 if saved == "bf16" and cpu_bf16_speedup() > 0 else None
+        if keep != self.amp:
+            log.info("train.amp auto: going on in %s, as the run was trained", saved if keep else "fp32")
+            self.amp = keep
+
     def _restore(self) -> None:
         """Continue from last.pt: weights, optimizer, scaler, RNG states and data position."""
         path = ckpt_io.checkpoint_dir(self.run_dir) / "last.pt"
@@ -932,6 +953,7 @@ class Trainer:
                 self.epoch_ids = (int(saved.pop("epoch")), ParallelIds.from_tensors(saved))
             if "synthetic" in ckpt:
                 self.synthetic = ParallelIds.from_tensors(ckpt["synthetic"])
+            self._keep_cpu_precision(ckpt.get("cpu_amp"))
             if self.ema is not None and "ema" in ckpt:
                 self.ema.load(ckpt["ema"])
             elif self.ema is not None:  # train.ema turned on at resume: the average starts here
@@ -960,6 +982,8 @@ class Trainer:
         changed = [
             f"{section}.{key}" for section, key in _PLAN_KEYS if saved.get(section, {}).get(key) != now[section][key]
         ]
+        if ckpt.get("data_digest", self.data_digest) != self.data_digest:  # (stop 54: went on at the old position)
+            changed.append("the training data")
         if self.synthetic is not None and not tc.diversify:  # (stop 53: they stayed in every later epoch)
             self.synthetic, st.diversified_epoch = None, -1
             log.info("train.diversify=0: the model's translations of train are left out from here on")
@@ -1488,6 +1512,17 @@ def _remove_contents(run_dir: Path, keep_dir: bool) -> None:
             path.unlink(missing_ok=True)
 
 
+def data_digest(*columns: Sequence[str]) -> str:
+    """A short hash of the training texts (each column's lines in order), stored in last.pt: the
+    data a run's epochs were planned over. Stop 54: a resume on a replaced train split, or another
+    data.dir, went on at the old plan's position in a plan of other pairs."""
+    digest = hashlib.sha256()
+    for column in columns:
+        digest.update(b"%d\n" % len(column))
+        digest.update("\n".join(column).encode("utf-8"))
+    return digest.hexdigest()[:16]
+
+
 def unfinished_start(run_dir: Path) -> bool:
     """Whether `run_dir` holds a start that ended before its first checkpoint (killed with
     `kill -9`, or a machine that went down, while the tokenizer trained): a config.yaml, and
@@ -1507,12 +1542,21 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
     its directory, with its own config or another one."""
     config_path = run_dir / ckpt_io.CONFIG_FILE
     if resume:
-        if not (ckpt_io.checkpoint_dir(run_dir) / "last.pt").is_file():
+        if (ckpt_io.checkpoint_dir(run_dir) / "last.pt").is_file():
+            return
+        if not run_dir.is_dir() or unfinished_start(run_dir) or not config_path.is_file():
             raise MtxError(
                 f"{run_dir}: nothing to resume (no checkpoints/last.pt); start it again with: "
                 f"mtx train --config {config_path} --run-dir {run_dir}"
             )
-        return
+        # a run that trained, and lost last.pt: starting it again in place is refused below, so the
+        # advice is a new run from what is left (stop 54: each error sent the user to the other)
+        kept = sorted(ckpt_io.checkpoint_dir(run_dir).glob("*.pt"), key=lambda p: p.name != "best.pt")
+        start = f"; to train on, start a new run from one: mtx train --config {config_path} --run-dir NEW "
+        raise MtxError(
+            f"{run_dir}: cannot resume: checkpoints/last.pt is missing"
+            + (f"{start}--set train.init_from={kept[0]}" if kept else "; train it again in a new --run-dir")
+        )
     if run_dir.exists() and not run_dir.is_dir():
         raise MtxError(f"{run_dir}: exists and is not a directory; choose another --run-dir")
     if run_dir.exists() and any(run_dir.iterdir()) and not unfinished_start(run_dir):
@@ -1641,6 +1685,9 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     one DDP replica; rank 0 alone writes the run directory and logs."""
     ranks = Ranks.from_env()
     cfg = resolve_config(cfg)  # on resume too: a --set data.dir is recorded as the directory used
+    if ranks.is_main and run_dir.is_dir():  # in use: said first, before what its state would say
+        with ckpt_io.run_dir_lock(run_dir):
+            pass
     check_run_dir(run_dir, cfg, resume)
     existed = run_dir.is_dir()
     new_dir = not resume and not (existed and any(run_dir.iterdir()))  # this call writes all it holds
@@ -1659,10 +1706,12 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     handler = None
     # the stop signals are caught from here to the end, cleanup included: a stop during setup stops
     # at once (nothing to save yet), one during training at the next step, after saving last.pt
-    with StopRequest(announce=ranks.is_main) as stop:
+    with StopRequest(announce=ranks.is_main) as stop, ExitStack() as held:
         try:
             _barrier(ranks, device)  # every rank has checked the run directory before rank 0 writes to it
             if ranks.is_main:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                held.enter_context(ckpt_io.run_dir_lock(run_dir))  # until training ends, its cleanup included
                 prepare_run_dir(run_dir, cfg, resume)
                 handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8", delay=True)
                 handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))

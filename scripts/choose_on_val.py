@@ -1,13 +1,13 @@
 """Choose a run's final checkpoint and length penalty on val, never on a test split.
 
 Scores on the run's validation split (data.valid_split, the one training validated on), with
-the run's beam size: the best single checkpoint, then the
-average of the last N step checkpoints for each N in `--last`, and the moving average of the
-weights (checkpoints/ema.pt, when trained with train.ema), and the ensemble of the last N step
-checkpoints for each N in `--ensemble` (decoded together, `mtx eval --checkpoint A --checkpoint B
-...`), all with the config's length penalty; then, on the best of those, each length penalty in
-`--length-penalty`, then, with the best penalty, each beam size in `--beam` (default: the
-config's only). BLEU is computed as `mtx eval` computes it. The choice is then tested against
+the run's beam size: the best single checkpoint (last.pt where the run stopped before its first
+validation), then the average of the last N step checkpoints for each N in `--last`, and the
+moving average of the weights (checkpoints/ema.pt, when trained with train.ema), and the
+ensemble of the last N step checkpoints for each N in `--ensemble` (decoded together, `mtx eval
+--checkpoint A --checkpoint B ...`), all with the config's length penalty; then, on the best of
+those, each length penalty in `--length-penalty`, then, with the best penalty, each beam size in
+`--beam` (default: the config's only). BLEU is computed as `mtx eval` computes it. The choice is then tested against
 where it started, the best single checkpoint at the config's penalty and beam: sacreBLEU's paired
 bootstrap test (1,000 resamples of val) says whether its gain could be chance. A gain found by
 picking the best of many settings on val is an optimistic estimate of that setting's gain on new
@@ -139,6 +139,10 @@ def main() -> None:
 def choose(args: argparse.Namespace) -> None:
     ckpts = checkpoint_dir(args.run)
     single = best_single(args.run)
+    # a run stopped before its first validation has no best.pt: start from last.pt, as eval does
+    start_name = "best single" if single.is_file() else "last checkpoint"
+    if not single.is_file():
+        single = ckpts / "last.pt"
     device = pick_device(args.device, "--device")
     run = load_run(args.run, [single], device)
     cfg = run.cfg
@@ -177,7 +181,7 @@ def choose(args: argparse.Namespace) -> None:
         candidates[name] = (model, saved, score(name, model))
         print(f"{name}{detail}: {candidates[name][2]:.2f}")
 
-    add("best single", run.model, single_ckpt, f" ({single.name}, step {single_ckpt.get('step')})")
+    add(start_name, run.model, single_ckpt, f" ({single.name}, step {single_ckpt.get('step')})")
     for n in sorted(set(args.last)):
         if 1 <= n <= len(steps):
             payload = average_checkpoints(steps[-n:])
@@ -209,10 +213,10 @@ def choose(args: argparse.Namespace) -> None:
         "beam": best_beam,
         "val_bleu": round(beams[best_beam], 2),
     }
-    start, final = texts["best single", alpha, cfg.decode.beam], texts[name, best_alpha, best_beam]
+    start, final = texts[start_name, alpha, cfg.decode.beam], texts[name, best_alpha, best_beam]
     (test,) = paired_tests(final, [("the start", start)], refs, PAIRED_SAMPLES)
     print(
-        f"against the start (best single, length penalty {alpha:g}, beam {cfg.decode.beam}): "
+        f"against the start ({start_name}, length penalty {alpha:g}, beam {cfg.decode.beam}): "
         f"{test.bleu:.2f} -> {beams[best_beam]:.2f} ({test.bleu_delta:+.2f}), paired bootstrap p = {test.bleu_p:.4f}"
         + (" (identical translations)" if final == start else "")
     )

@@ -247,6 +247,11 @@ def test_choose_on_val_scores_the_split_training_validated_on(run_copy: Path, sm
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"{run_copy}: dev, beam ")
+    # a run stopped before its first validation has no best.pt: it starts from last.pt, as eval does
+    (run_copy / "checkpoints" / "best.pt").unlink()
+    done = subprocess.run([sys.executable, str(script), "--run", str(run_copy)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "\nlast checkpoint (last.pt, step " in done.stdout and "against the start (last checkpoint," in done.stdout
     # never a test split, whatever the config says (stop 53: it chose on test_2016_flickr)
     config.write_text(config.read_text().replace("valid_split: dev\n", "valid_split: test_2016_flickr\n"))
     refused = subprocess.run([sys.executable, str(script), "--run", str(run_copy)], capture_output=True, text=True)

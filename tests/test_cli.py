@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import io
 import json
 import os
 import pty
@@ -22,7 +23,7 @@ import pytest
 import sacrebleu
 import torch
 
-from mtx.cli import _hypotheses_name, _source_tag, build_parser, int_in, main, usable_cpus
+from mtx.cli import _hypotheses_name, _source_tag, _utf8_stdout, build_parser, int_in, main, usable_cpus
 from mtx.config import load_config
 
 from .conftest import REPO, FakeMulti30k, tiny_args
@@ -229,6 +230,25 @@ def test_translate_streams_standard_input(tiny_run: Path) -> None:
         os.close(controller)
 
 
+def test_translate_writes_utf8_whatever_the_locale_and_invisible_lines_are_empty(
+    tiny_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop 54: under a locale of another encoding a translation outside it stopped with a
+    traceback (and one inside it was written in a file mtx then refused); a zero-width space or a
+    byte order mark alone was translated as a sentence."""
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))
+    assert main(["translate", "--run", str(tiny_run), "--beam", "1", "\u200b", SENTENCES[0], " \ufeff"]) == 0
+    sys.stdout.flush()
+    lines = raw.getvalue().decode("utf-8").split("\n")
+    assert len(lines) == 4 and lines[0] == lines[2] == lines[3] == "" and lines[1]
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw := io.BytesIO(), encoding="ascii"))
+    _utf8_stdout()
+    print("Zwei M\u00e4nner")
+    sys.stdout.flush()
+    assert raw.getvalue() == "Zwei M\u00e4nner\n".encode()
+
+
 def test_eval_shows_a_progress_bar_on_a_terminal_only(
     tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -315,10 +335,49 @@ def test_output_paths_that_are_not_files_or_not_what_the_command_takes_are_one_l
     data = ["--set", f"data.dir={blocker}"]
     refused(tiny_args(small_data, tmp_path / "run", *data), f"data.dir: {blocker} is a file, not a directory")
     if Path("/dev/full").exists():  # Linux: every write fails with ENOSPC
-        with open("/dev/full", "wb") as out:
-            argv = [sys.executable, "-m", "mtx", "translate", "--run", str(tiny_run), "Ein Hund."]
-            full = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, cwd=REPO, env=_child_env(), timeout=600)
-        assert_one_line_error(full, "standard output: No space left on device")
+        (tmp_path / "s.de").write_text("Ein Hund.\nZwei M\u00e4nner.\n")
+        (tmp_path / "s.en").write_text("A dog.\nTwo men.\n")
+        files = ["--src", str(tmp_path / "s.de"), "--ref", str(tmp_path / "s.en"), "--beam", "1"]
+        # stdout buffered, as for a user (stop 54: eval's and compare's scores were written at exit,
+        # after main, so Python's "Exception ignored" block and exit code 120 instead of the one line)
+        env = {k: v for k, v in _child_env().items() if k != "PYTHONUNBUFFERED"}
+        for args in (["translate", "Ein Hund."], ["eval", *files], ["compare", "--run", str(tiny_run)]):
+            with open("/dev/full", "wb") as out:
+                argv = [sys.executable, "-m", "mtx", args[0], "--run", str(tiny_run), *args[1:]]
+                full = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, cwd=REPO, env=env, timeout=600)
+            assert full.returncode == 1 and "Exception ignored" not in full.stderr.decode(), full.stderr.decode()
+            assert_one_line_error(full, "standard output: No space left on device")
+
+
+def test_standard_streams_closed_or_named_as_files(tiny_run: Path, tmp_path: Path) -> None:
+    """stop 54: a closed standard input or output was a traceback; eval --output /dev/stdout with
+    stdout redirected to a file wrote the hypotheses from the file's start, and the scores over
+    them; plot --out /dev/stdout wrote /dev/stdout.png."""
+    closed_in = subprocess.run(
+        [sys.executable, "-m", "mtx", "translate", "--run", str(tiny_run)],
+        capture_output=True, cwd=REPO, env=_child_env(), timeout=600, preexec_fn=lambda: os.close(0),
+    )  # fmt: skip
+    assert_one_line_error(closed_in, "standard input is closed")
+    closed_out = subprocess.run(
+        [sys.executable, "-m", "mtx", "translate", "--run", str(tiny_run), "Ein Hund."],
+        capture_output=True, cwd=REPO, env=_child_env(), timeout=600, preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    assert_one_line_error(closed_out, "standard output is closed")
+    (tmp_path / "s.de").write_text("Ein Hund.\nZwei M\u00e4nner.\nEine Frau.\n")
+    (tmp_path / "s.en").write_text("A dog.\nTwo men.\nA woman.\n")
+    files = ["--src", str(tmp_path / "s.de"), "--ref", str(tmp_path / "s.en"), "--beam", "1"]
+    with open(tmp_path / "all.txt", "wb") as out:
+        argv = [sys.executable, "-m", "mtx", "eval", "--run", str(tiny_run), *files, "--output", "/dev/stdout"]
+        done = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, cwd=REPO, env=_child_env(), timeout=600)
+    assert done.returncode == 0, done.stderr.decode()
+    lines = (tmp_path / "all.txt").read_text().splitlines()
+    hyps = mtx("translate", "--run", str(tiny_run), "--beam", "1", stdin=(tmp_path / "s.de").read_bytes())
+    assert lines[:3] == hyps.stdout.decode().splitlines() and lines[3].startswith("s.de de-en beam 1")
+    assert lines[-1] == "hypotheses: /dev/stdout"
+    image = mtx("plot", "--run", str(tiny_run), "--out", "/dev/stdout")  # through a pipe, which PNG cannot seek
+    assert image.returncode == 0 and image.stdout.startswith(b"\x89PNG\r\n\x1a\n"), image.stderr.decode()
+    assert image.stdout.endswith(b"IEND\xaeB`\x82")  # the image alone: no path printed after it
+    assert not Path("/dev/stdout.png").exists()
 
 
 def test_translate_errors_on_a_finished_run(tiny_run: Path) -> None:

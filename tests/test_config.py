@@ -139,6 +139,13 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("train:\n  adam_eps: 0\n", r"train.adam_eps must be > 0"),  # Adam's 0/0 on a zero gradient
         ("decode:\n  max_len_a: 0\n  max_len_b: 1\n", "leave room for EOS only, so every translation would be empty"),
         ("data:\n  src_lang: no\n", r'data.src_lang must be a string, got False; .* quote it \(e.g. src_lang: "no"\)'),
+        # stop 54: a string key took YAML's reading of unquoted text (data.dir 010 named directory 8)
+        ("data:\n  dir: 010\n", r"data.dir must be a string, got 8: YAML reads some unquoted text as a number"),
+        ("data:\n  valid_split: 2016.10\n", r"data.valid_split must be a string, got 2016.1: .* quote it"),
+        ("data:\n  dir: 2024-01-05\n", r"data.dir must be a string, got datetime.date\(2024, 1, 5\): .* quote it"),
+        ("train:\n  lr: 0.1 \x1b[0m\n", r"line 2 holds the control character '\\x1b', which YAML does not allow"),
+        ("\u00a0 lr: 0.1\n", r"unknown key '\\xa0 lr' \(did you mean train.lr\?\)"),
+        ("train:\n  LR: 0.1\n", r"unknown key train.LR \(did you mean train.lr\?\)"),
     ],
 )
 def test_bad_values_are_one_line_errors(tmp_path: Path, text: str, pattern: str) -> None:

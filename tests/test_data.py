@@ -25,6 +25,7 @@ from mtx.data import (
     stream_lines,
     text_lines,
     texts,
+    warn_unless_nfc,
 )
 from mtx.errors import DataError
 from mtx.tokenizer import BOS, EOS, PAD
@@ -101,6 +102,23 @@ def test_text_lines_keeps_inner_empty_lines_and_names_the_source() -> None:
     with pytest.raises(DataError, match=r"^train.de: line 1 holds a carriage return: .* convert the file to LF"):
         text_lines(b"Ein Hund.\rEine Katze.\r", "train.de", "the file")
     assert text_lines(b"a\r\nb\r\n", "x", "the file") == ["a", "b"]  # CRLF is fine
+    # stop 54: a byte order mark starting a later line (files joined by cat) is not part of it, and a
+    # line of invisible characters alone is empty (it was translated as a sentence)
+    joined = "\ufeffa\n\ufeffb \u200bc\n\u200b\n \ufeff\u2060 \n\u200dd\u200d\n"
+    assert text_lines(joined.encode(), "x", "the file") == ["a", "b \u200bc", "", "", "\u200dd\u200d"]
+
+
+def test_invisible_lines_are_empty_data_lines_and_references_not_in_nfc_warn(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "x.en").write_text("A dog.\n\u200b\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"x.en: line 2 is empty; remove empty lines from the data$"):
+        read_lines(tmp_path / "x.en")
+    warn_unless_nfc(["F\u00e4hrt.", "ok"], "ref.de")
+    assert not caplog.records
+    warn_unless_nfc(["Fa\u0308hrt.", "ok", "Gru\u0308n"], "ref.de")  # NFD, as some macOS tools write
+    (record,) = caplog.records
+    assert record.getMessage().startswith("ref.de: 2 of 3 reference lines are not in Unicode NFC form")
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 10])
@@ -116,6 +134,10 @@ def test_stream_lines_chunks_what_text_lines_reads(chunk: int) -> None:
     bad = stream_lines(io.BytesIO(b"ok\nok\n\xff\n"), chunk, "standard input", "the input")
     with pytest.raises(DataError, match=r"^standard input: line 3 is not valid UTF-8; re-encode the input as UTF-8$"):
         list(bad)
+    # CR-only line ends on standard input too (stop 54: three sentences were translated as one)
+    cr = stream_lines(io.BytesIO(b"ok\nEin Hund.\rEine Katze.\r"), chunk, "standard input", "the input")
+    with pytest.raises(DataError, match=r"^standard input: line 2 holds a carriage return: .* convert the input to LF"):
+        list(cr)
 
 
 def test_stream_lines_from_a_pipe_fills_batches_and_ends_one_where_the_input_pauses() -> None:

@@ -282,8 +282,124 @@ def test_a_resume_that_changes_the_batch_plan_mid_epoch_goes_on_from_the_next_ep
     )
 
 
+def test_a_resume_on_other_training_data_goes_on_from_the_next_epoch(tmp_path: Path, mini_data: Path) -> None:
+    """The plan's position means nothing over other pairs (stop 54: a replaced train split, or
+    another data.dir, went on at the old position); the same data in another directory is the
+    same plan."""
+    run = tmp_path / "run"
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=3", "--set", "train.eval_every=100")) == 0
+    same = shutil.copytree(mini_data, tmp_path / "same")
+    resume = ["train", "--run-dir", str(run), "--resume"]
+    assert main([*resume, "--set", f"data.dir={same}", "--set", "train.max_steps=4"]) == 0
+    state = load_weights_only(run / "checkpoints" / "last.pt")["state"]
+    assert (state["step"], state["epoch"], state["batch"]) == (4, 0, 4)
+    other = shutil.copytree(mini_data, tmp_path / "other")
+    for lang in ("de", "en"):  # the same pairs in another order
+        lines = (other / f"train.{lang}").read_text(encoding="utf-8").splitlines(keepends=True)
+        (other / f"train.{lang}").write_text("".join(lines[::-1]), encoding="utf-8")
+    assert main([*resume, "--set", f"data.dir={other}", "--set", "train.max_steps=5"]) == 0
+    state = load_weights_only(run / "checkpoints" / "last.pt")["state"]
+    assert (state["step"], state["epoch"], state["batch"]) == (5, 1, 1)
+    log = (run / "train.log").read_text()
+    assert "the training data changed in the middle of epoch 0: training goes on from the start of epoch 1" in log
+    assert log.count("changed in the middle of epoch") == 1
+
+
 def test_checkpoints_without_bpe_dropout_hold_no_segmentation(tiny_run: Path) -> None:
     assert "epoch_ids" not in load_weights_only(tiny_run / "checkpoints" / "last.pt")
+
+
+def test_full_disks_read_only_disks_and_unreadable_files_are_named_in_one_line(
+    tmp_path: Path, tiny_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop 54: torch.save on a full disk raises RuntimeError ("unexpected pos"), a traceback; a
+    read-only disk's error came from removing the temporary file, naming it and not the file; an
+    unreadable checkpoint was called corrupted; a tokenizer save on a full disk was a traceback."""
+    from mtx import checkpoint as ckpt_io
+    from mtx.errors import CheckpointError
+    from mtx.tokenizer import BPE
+
+    path = tmp_path / "last.pt"
+    ckpt_io.atomic_save({"step": 1}, path)
+
+    def full_disk(obj: object, f: object) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1531840 vs 1531728")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", full_disk)
+        with pytest.raises(
+            CheckpointError, match=r"last.pt: cannot write \(\[enforce fail.*MiB left on its disk\); the previous"
+        ):
+            ckpt_io.atomic_save({"step": 2}, path)
+    assert load_weights_only(path) == {"step": 1} and [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+
+    def read_only(self: Path, missing_ok: bool = False) -> None:
+        raise OSError(30, "Read-only file system", str(self))
+
+    def no_open(*args: object, **kwargs: object) -> None:
+        raise OSError(30, "Read-only file system", str(args[0]))
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "unlink", read_only)
+        m.setattr("builtins.open", no_open)
+        with pytest.raises(CheckpointError, match=r"^.*/last.pt: cannot write \(Read-only file system\); the previous"):
+            ckpt_io.atomic_save({"step": 2}, path)
+
+    def unreadable(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt_io.zipfile, "ZipFile", unreadable)
+        with pytest.raises(CheckpointError, match=r"last.pt: cannot read \(Permission denied\)$"):
+            load_checkpoint(path)
+
+    tok = BPE.load(tiny_run / "tokenizer.json")
+
+    def full(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "write_text", full)
+        with pytest.raises(CheckpointError, match=r"tok.json: cannot write \(No space left on device\)$"):
+            tok.save(tmp_path / "tok.json")
+    tok.save(tmp_path / "tok.json")
+    assert BPE.load(tmp_path / "tok.json").fingerprint() == tok.fingerprint()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "tok.json"]
+
+
+def test_a_second_training_on_a_run_directory_in_use_is_refused(
+    tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """stop 54: a second start took a live start, still setting up, for a dead one and deleted its
+    config and tokenizer; both then wrote the same checkpoints and metrics.jsonl."""
+    run = tmp_path / "run"
+    first = start(tmp_path / "stderr", *mini_args(mini_data, run, "--set", "train.max_steps=100000"))
+    try:
+        wait_for(lambda: (run / "config.yaml").is_file(), first)  # held from before its config is written
+        config = (run / "config.yaml").read_text()
+        for argv in (mini_args(mini_data, run, "--set", "train.seed=2"), ["train", "--run-dir", str(run), "--resume"]):
+            assert main(argv) == 1
+            err = capsys.readouterr().err.strip().splitlines()
+            busy = f"{run}: an mtx train is using this run directory; wait for it to end, or choose another --run-dir"
+            assert err[-1] == "mtx: error: " + busy
+        assert (run / "config.yaml").read_text() == config and first.poll() is None
+        wait_for(lambda: train_lines(run) >= 1, first)
+        assert main(["train", "--run-dir", str(run), "--resume"]) == 1
+        # nor does a chosen average replace best.pt meanwhile (training replaces it too)
+        assert main(["average", "--run", str(run), "--as-best"]) == 1
+        assert (
+            capsys.readouterr()
+            .err.strip()
+            .splitlines()[-1]
+            .endswith("an mtx train is using this run directory; best.pt can be changed once it has ended")
+        )
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM, (tmp_path / "stderr").read_text()
+    # the lock goes with the process: the run resumes
+    steps = load_weights_only(run / "checkpoints" / "last.pt")["step"] + 1
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", f"train.max_steps={steps}"]) == 0
 
 
 # -- stop signals and kill -9 -------------------------------------------------------------------
@@ -647,6 +763,48 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         "run directory without checkpoints (resume)",
         lambda t, d, r: (["train", "--run-dir", str(copy_run(r, t / "run", ())), "--resume"], None),
         ("nothing to resume", "--config"),
+    ),
+    (
+        "resume a run that lost its last.pt (stop 54: the advice sent the user to a start refused in place)",
+        lambda t, d, r: (
+            [
+                "train",
+                "--run-dir",
+                str(_write(copy_run(r, t / "run", ("best.pt",)) / "metrics.jsonl", "").parent),
+                "--resume",
+            ],
+            None,
+        ),
+        ("cannot resume: checkpoints/last.pt is missing", "--run-dir NEW --set train.init_from=", "best.pt"),
+    ),
+    (
+        "eval --output over another run's last.pt (stop 54: only the --run's files were protected)",
+        lambda t, d, r: (
+            [
+                "eval",
+                "--run",
+                str(r),
+                "--data-dir",
+                str(d),
+                "--output",
+                str(copy_run(r, t / "o") / "checkpoints" / "last.pt"),
+            ],
+            None,
+        ),
+        ("is one of the files of the run", "pass --output with another path"),
+    ),
+    (
+        "average --out over another run's best.pt",
+        lambda t, d, r: (
+            ["average", "--run", str(r), "--out", str(copy_run(r, t / "o", ("best.pt",)) / "checkpoints" / "best.pt")],
+            None,
+        ),
+        ("--out", "is one of the files of the run", "give another path for the average"),
+    ),
+    (
+        "average of a run directory that does not exist",
+        lambda t, d, r: (["average", "--run", str(t / "nowhere")], None),
+        ("nowhere: run directory not found",),
     ),
     (
         "resume a run directory that does not exist",

@@ -360,6 +360,8 @@ def test_length_penalty_and_output_cap_values(tiny_run: Path) -> None:
     src = _batch([[5] * 89, [5] * 99, [5] * 49])  # 90, 100 and 50 positions
     assert search.max_output_lengths(src, 1.3, 10, model).tolist() == [127, 140, 75]
     assert search.max_output_lengths(_batch([[5] * 49, [5] * 29]), 2.1, 0, model).tolist() == [105, 63]
+    # a huge a ("no cap") is the positions' cap (stop 54: int64 overflowed to a negative cap, so 1)
+    assert search.max_output_lengths(src, 1e20, 10, model).tolist() == [model.cfg.max_positions - 1] * 3
 
 
 def test_overlong_input_is_truncated_with_a_warning(run: LoadedRun, caplog: pytest.LogCaptureFixture) -> None:

@@ -339,6 +339,31 @@ def test_auto_trains_in_bf16_only_where_bf16_products_are_measured_fast(
 
 
 @pytest.mark.parametrize(
+    ("first", "then"), [(2.5, 1.2), (1.2, 2.5)], ids=["bf16 run, fp32 timing", "fp32 run, bf16 timing"]
+)
+def test_auto_precision_on_cpu_goes_on_as_the_run_was_trained(
+    tmp_path: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch, first: float, then: float
+) -> None:
+    """The bf16 timing decides a run's precision once: a resume keeps it (stop 54: a busy machine
+    timed 0.82x on resume and a bf16 run went on in fp32), where the CPU has native bf16."""
+    run = tmp_path / "run"
+    base = ["--set", "train.device=cpu", "--set", "train.amp=auto", "--set", "train.eval_every=1000"]
+    monkeypatch.setattr(train_module, "cpu_bf16_speedup", lambda: first)
+    assert main(tiny_args(small_data, run, *base, "--set", "train.max_steps=2")) == 0
+    trained = "bf16" if first >= BF16_MIN_SPEEDUP else "fp32"
+    assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["cpu_amp"] == trained
+    monkeypatch.setattr(train_module, "cpu_bf16_speedup", lambda: then)
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=3"]) == 0
+    resumed = (run / "train.log").read_text().split(" INFO done: ")[1]  # the resumed session's lines
+    assert f"train.amp auto: going on in {trained}, as the run was trained" in resumed
+    assert ("precision bfloat16" in resumed) == (trained == "bf16")
+    # without native bf16 (emulated, many times slower) a bf16 run goes on in fp32
+    monkeypatch.setattr(train_module, "cpu_bf16_speedup", lambda: 0.0)
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=4"]) == 0
+    assert "precision fp32" in (run / "train.log").read_text().split(" INFO done: ")[2]
+
+
+@pytest.mark.parametrize(
     "regulariser", [["train.rdrop=1.0"], ["train.word_dropout=0.2", "train.tgt_word_dropout=0.1"]], ids=str
 )
 def test_regularised_training_learns(
