@@ -184,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--src", type=Path, help="source file (plain or .gz), instead of --split")
     p.add_argument("--ref", type=Path, help="reference file (plain or .gz), with --src")
     p.add_argument("--lowercase", action="store_true", help="also report lowercased BLEU")
-    p.add_argument("--output", type=Path, help="where to write hypotheses (default: RUN/eval/SPLIT.beamN.LANG)")
+    p.add_argument(
+        "--output", type=Path, help="where to write hypotheses (default: RUN/eval/SPLIT.beamN.LANG; -: standard output)"
+    )
     p.add_argument(
         "--bootstrap",
         type=int,
@@ -505,12 +507,21 @@ def _same_file(path: Path, others: Iterable[Path | None]) -> bool:
 
 def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> None:
     """Before decoding, so that a bad output path fails at once: `output` must be a file path in a
-    writable directory (created if missing), and none of the files this command reads (`inputs`:
-    what each is -> paths)."""
+    writable directory (created if missing), none of the files this command reads (`inputs`:
+    what each is -> paths), and no run's own file or checkpoint; `-` is standard output."""
+    from mtx.checkpoint import any_runs_file
+
+    if str(output) == "-":
+        return
     _check_file_path("--output", output, "the hypotheses file's path")
     for what, paths in inputs.items():
         if _same_file(output, paths):
             raise MtxError(f"the hypotheses file {output} is {what}; pass --output with another path")
+    other_run = any_runs_file(output)
+    if other_run is not None:
+        raise MtxError(
+            f"the hypotheses file {output} is one of the files of the run {other_run}; pass --output with another path"
+        )
     output.parent.mkdir(parents=True, exist_ok=True)
     if _written_through(output):  # a device, pipe or link: it is opened as it is, not replaced
         return
@@ -552,7 +563,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
     cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
-    from mtx.checkpoint import any_runs_file, atomic_write_text, checkpoint_dir, run_files
+    from mtx.checkpoint import atomic_write_text, checkpoint_dir, run_files
     from mtx.data import eval_split_files, read_lines, read_parallel, warn_unless_nfc
     from mtx.search import translate
 
@@ -584,6 +595,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     run = _load(args)
     source = _source_tag(args, name, cfg.data.dir)
     output = args.output or args.run / "eval" / _hypotheses_name(args, source, beam, stop, cfg, alpha)
+    to_stdout = str(output) == "-"  # (stop 54: a file named "-"; translate reads "-" as standard input)
     _check_output(
         output,
         {
@@ -596,11 +608,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "one of the run's own files": run_files(args.run),
         },
     )
-    other_run = any_runs_file(output)
-    if other_run is not None:
-        raise MtxError(
-            f"the hypotheses file {output} is one of the files of the run {other_run}; pass --output with another path"
-        )
     with _progress_bar(f"decoding {name}", len(src)) as bar:
         text = translate(
             run.model,
@@ -616,7 +623,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             stop=stop,
             progress=bar.update,
         )
-    if _is_stdout(output):  # opened again, it would be written from its start, under the scores (stop 54)
+    if to_stdout or _is_stdout(output):  # opened again, it would be written from its start (stop 54)
         with _named_os_errors("standard output"):
             sys.stdout.write("".join(t + "\n" for t in text))
             sys.stdout.flush()

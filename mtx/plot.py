@@ -6,7 +6,9 @@ Plotting needs matplotlib, the optional extra `mtx[plot]`; comparing needs nothi
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -160,6 +162,18 @@ def _image_path(out: Path, formats: Iterable[str]) -> Path:
     return out
 
 
+def _lookups(valid: list[dict[str, Any]]) -> tuple[dict[int, dict[str, Any]], list[float], list[int]]:
+    """For `compare_runs`, in O(n log n) rather than a scan per row (stop 53: 9 s for two runs of
+    3,000 validations): each step's first validation; the validations' times sorted; and for each
+    prefix of that order, the largest file index in it."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for e in valid:
+        by_step.setdefault(e["step"], e)
+    order = sorted(range(len(valid)), key=lambda i: valid[i]["elapsed_s"])
+    last_before = list(itertools.accumulate(order, max))
+    return by_step, [valid[i]["elapsed_s"] for i in order], last_before
+
+
 def compare_runs(run_dirs: Sequence[Path]) -> list[str]:
     """A text table: at each validation of the first run, its val loss and greedy val BLEU, and
     each other run's at the same step and at the same training time (its last validation at or
@@ -182,12 +196,14 @@ def compare_runs(run_dirs: Sequence[Path]) -> list[str]:
     def cell(e: dict[str, Any] | None) -> str:
         return "-" if e is None else f"{e['val_loss']:.3f} / {e['val_bleu']:.2f}"
 
+    lookups = [_lookups(other) for other in valids[1:]]
     for e in valids[0]:
         row = [str(e["step"]), f"{e['elapsed_s'] / 60:.1f}", cell(e)]
-        for other in valids[1:]:
-            same_step = next((o for o in other if o["step"] == e["step"]), None)
-            earlier = [o for o in other if o["elapsed_s"] <= e["elapsed_s"]]
-            same_time = earlier[-1] if earlier else None
+        for other, (by_step, times, last_before) in zip(valids[1:], lookups, strict=True):
+            same_step = by_step.get(e["step"])
+            # the last validation (in the file's order) at or before this one's training time
+            at = bisect.bisect_right(times, e["elapsed_s"])
+            same_time = other[last_before[at - 1]] if at else None
             row += [cell(same_step), "-" if same_time is None else f"{cell(same_time)} ({same_time['step']})"]
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]

@@ -143,3 +143,38 @@ def multi30k_server(tmp_path: Path, small_data: Path, monkeypatch: pytest.Monkey
     monkeypatch.delenv("MTX_DATA_DIR", raising=False)
     monkeypatch.setattr(mtx.data, "_SHARED_COPIES", ())
     return fake
+
+
+def script_in_process(
+    script: Path, args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str, str]:
+    """Run `scripts/NAME.py ARGS` as its `__main__` does, in the test process (a subprocess
+    spends 2-3 s importing torch): its exit code, standard output and standard error. For a
+    script's argument checks and one-line errors; torch's thread count is restored after."""
+    import logging
+    import runpy
+
+    capsys.readouterr()  # runpy runs the file as __main__, with sys.argv and sys.path as a shell gives them
+    monkeypatch.setattr("sys.argv", [str(script), *args])
+    monkeypatch.syspath_prepend(str(script.parent))
+    # logging as in a new process: warnings and errors alone, on stderr (earlier tests' `mtx`
+    # commands in this process configured INFO)
+    loggers = [logging.getLogger(), logging.getLogger("mtx")]
+    saved = [(logger, logger.level, logger.handlers[:]) for logger in loggers]
+    loggers[0].setLevel(logging.WARNING)
+    loggers[1].setLevel(logging.NOTSET)
+    for logger in loggers:
+        logger.handlers.clear()
+    threads = torch.get_num_threads()
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        torch.set_num_threads(threads)
+        for logger, level, handlers in saved:
+            logger.setLevel(level)
+            logger.handlers[:] = handlers
+    out, err = capsys.readouterr()
+    return code, out, err

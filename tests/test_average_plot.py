@@ -24,6 +24,8 @@ from mtx.checkpoint import (
 from mtx.cli import main
 from mtx.errors import CheckpointError
 
+from .conftest import script_in_process
+
 
 @pytest.fixture()
 def run_copy(tiny_run: Path, tmp_path: Path) -> Path:
@@ -228,7 +230,13 @@ def test_plot_writes_a_png(run_copy: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
-def test_choose_on_val_scores_the_split_training_validated_on(run_copy: Path, small_data: Path, tmp_path: Path) -> None:
+def test_choose_on_val_scores_the_split_training_validated_on(
+    run_copy: Path,
+    small_data: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """It read the split named `val` whatever data.valid_split said."""
     data = tmp_path / "data"
     shutil.copytree(small_data, data)
@@ -240,28 +248,29 @@ def test_choose_on_val_scores_the_split_training_validated_on(run_copy: Path, sm
     assert "valid_split: val\n" in text
     config.write_text(text.replace("valid_split: val\n", "valid_split: dev\n").replace(str(small_data), str(data)))
     script = Path(__file__).resolve().parent.parent / "scripts" / "choose_on_val.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "--run", str(run_copy), "--last", "2", "--length-penalty", "1.0"],
-        capture_output=True,
-        text=True,
+    run_args = ["--run", str(run_copy)]
+    code, out, err = script_in_process(
+        script, [*run_args, "--last", "2", "--length-penalty", "1.0"], monkeypatch, capsys
     )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"{run_copy}: dev, beam ")
+    assert code == 0, err
+    assert out.startswith(f"{run_copy}: dev, beam ")
     # a run stopped before its first validation has no best.pt: it starts from last.pt, as eval does
     (run_copy / "checkpoints" / "best.pt").unlink()
-    done = subprocess.run([sys.executable, str(script), "--run", str(run_copy)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "\nlast checkpoint (last.pt, step " in done.stdout and "against the start (last checkpoint," in done.stdout
+    code, out, err = script_in_process(script, run_args, monkeypatch, capsys)
+    assert code == 0, err
+    assert "\nlast checkpoint (last.pt, step " in out and "against the start (last checkpoint," in out
     # never a test split, whatever the config says (stop 53: it chose on test_2016_flickr)
     config.write_text(config.read_text().replace("valid_split: dev\n", "valid_split: test_2016_flickr\n"))
-    refused = subprocess.run([sys.executable, str(script), "--run", str(run_copy)], capture_output=True, text=True)
-    assert refused.returncode == 1 and refused.stderr.strip() == (
+    code, _, err = script_in_process(script, run_args, monkeypatch, capsys)
+    assert code == 1 and err.strip() == (
         f"choose_on_val: error: {run_copy}: data.valid_split is test_2016_flickr, a test split; choose_on_val "
         "chooses on validation data only (a run that validates on val: data.valid_split: val)"
     )
 
 
-def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run_copy: Path) -> None:
+def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(
+    run_copy: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     script = Path(__file__).resolve().parent.parent / "scripts" / "choose_on_val.py"
     args = [sys.executable, str(script), "--run", str(run_copy), "--last", "2", "--length-penalty", "0.6,1.0"]
     args += ["--beam", "1", "--ensemble", "2"]
@@ -289,8 +298,10 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run
     kept_single = choice["chosen"] in ("best single", "ensemble of the last 2")  # an ensemble is not a best.pt
     assert (run_copy / "checkpoints" / "best_single.pt").is_file() == (not kept_single)
     assert ("checkpoints" in choice) == (choice["chosen"] == "ensemble of the last 2")
-    bad_ensemble = subprocess.run([*args[:4], "--ensemble", "1"], capture_output=True, text=True)
-    assert bad_ensemble.returncode == 2 and "an ensemble has at least 2 checkpoints" in bad_ensemble.stderr
+    # the user mistakes, in this process (each a subprocess spent 2-3 s importing torch)
+    run_args = ["--run", str(run_copy)]
+    code, _, err = script_in_process(script, [*run_args, "--ensemble", "1"], monkeypatch, capsys)
+    assert code == 2 and "an ensemble has at least 2 checkpoints" in err
     for option, value, want in (
         ("--beam", "2.5", "whole numbers >= 1, got '2.5'"),
         ("--last", "3,2.5", "whole numbers >= 1, got '3,2.5'"),
@@ -298,15 +309,14 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(run
         ("--length-penalty", "nan", "numbers from 0 to 10, got 'nan'"),
         ("--length-penalty", "1,500", "numbers from 0 to 10, got '1,500'"),
     ):
-        bad = subprocess.run([*args[:4], f"{option}={value}"], capture_output=True, text=True)
-        assert bad.returncode == 2 and f"argument {option}: expected comma-separated {want}" in bad.stderr
-    bad_device = subprocess.run([*args[:4], "--device", "nosuch"], capture_output=True, text=True)
-    assert bad_device.returncode == 1
-    assert bad_device.stderr.strip().splitlines() == [
+        code, _, err = script_in_process(script, [*run_args, f"{option}={value}"], monkeypatch, capsys)
+        assert code == 2 and f"argument {option}: expected comma-separated {want}" in err
+    code, _, err = script_in_process(script, [*run_args, "--device", "nosuch"], monkeypatch, capsys)
+    assert code == 1 and err.strip().splitlines() == [
         "choose_on_val: error: --device: unknown device 'nosuch' (use auto, cpu, cuda, cuda:N or mps)"
     ]
-    missing = subprocess.run([*args[:2], "--run", str(run_copy / "nowhere")], capture_output=True, text=True)
-    assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
+    code, _, err = script_in_process(script, ["--run", str(run_copy / "nowhere")], monkeypatch, capsys)
+    assert code == 1 and err.strip().splitlines() == [
         f"choose_on_val: error: {run_copy / 'nowhere'}: run directory not found"
     ]
 

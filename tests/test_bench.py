@@ -18,7 +18,7 @@ import torch
 from mtx.errors import ConfigError, run_script
 from mtx.train import BF16_MIN_SPEEDUP
 
-from .conftest import TINY_CONFIG
+from .conftest import TINY_CONFIG, script_in_process
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode.py"
 TRAIN_SCRIPT = SCRIPT.with_name("bench_train.py")
@@ -138,17 +138,24 @@ def test_bench_ctranslate2_converts_through_mtx_export(tiny_run: Path) -> None:
     ],
 )
 def test_benchmarks_report_a_user_mistake_in_one_line(
-    tmp_path: Path, tiny_run: Path, mini_data: Path, script: str, args: list[str], message: str
+    tmp_path: Path,
+    tiny_run: Path,
+    mini_data: Path,
+    script: str,
+    args: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     for lang in ("de", "en"):
         (tmp_path / f"test_2016_flickr.{lang}").write_text("")
     names = {"tmp": tmp_path, "run": tiny_run, "data": mini_data, "tiny": TINY_CONFIG}
-    argv = [sys.executable, str(SCRIPT.with_name(script)), *(a.format(**names) for a in args)]
-    result = subprocess.run(argv, capture_output=True, text=True)
+    argv = [a.format(**names) for a in args]
+    code, _, err = script_in_process(SCRIPT.with_name(script), argv, monkeypatch, capsys)
     prog = script.removesuffix(".py")
-    assert result.returncode == 1, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {message.format(**names)}"), result.stderr
+    assert code == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {message.format(**names)}"), err
 
 
 @pytest.mark.parametrize(
@@ -162,12 +169,14 @@ def test_benchmarks_report_a_user_mistake_in_one_line(
         ("bench_decode.py", ["--run", ".", "--config", "x.yaml"], "--config is the config trained when --run"),
     ],
 )
-def test_benchmarks_refuse_counts_out_of_range_before_any_work(script: str, args: list[str], message: str) -> None:
+def test_benchmarks_refuse_counts_out_of_range_before_any_work(
+    script: str, args: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """argparse's usage and one error line, exit code 2, before any work (100,000 threads
     crashed OpenMP)."""
-    result = subprocess.run([sys.executable, str(SCRIPT.with_name(script)), *args], capture_output=True, text=True)
-    last = result.stderr.strip().splitlines()[-1]
-    assert result.returncode == 2 and last.startswith(f"{script}: error: {message}"), result.stderr
+    code, _, err = script_in_process(SCRIPT.with_name(script), args, monkeypatch, capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"{script}: error: {message}"), err
 
 
 def _raise(error: BaseException) -> Callable[[], None]:

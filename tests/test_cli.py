@@ -374,6 +374,8 @@ def test_standard_streams_closed_or_named_as_files(tiny_run: Path, tmp_path: Pat
     hyps = mtx("translate", "--run", str(tiny_run), "--beam", "1", stdin=(tmp_path / "s.de").read_bytes())
     assert lines[:3] == hyps.stdout.decode().splitlines() and lines[3].startswith("s.de de-en beam 1")
     assert lines[-1] == "hypotheses: /dev/stdout"
+    dash = mtx("eval", "--run", str(tiny_run), *files, "--output", "-", cwd=tmp_path)  # "-": standard output too
+    assert dash.stdout.decode().splitlines() == [*lines[:-1], "hypotheses: -"] and not (tmp_path / "-").exists()
     image = mtx("plot", "--run", str(tiny_run), "--out", "/dev/stdout")  # through a pipe, which PNG cannot seek
     assert image.returncode == 0 and image.stdout.startswith(b"\x89PNG\r\n\x1a\n"), image.stderr.decode()
     assert image.stdout.endswith(b"IEND\xaeB`\x82")  # the image alone: no path printed after it
