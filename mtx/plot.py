@@ -132,7 +132,7 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     image_type = out.suffix[1:].lower() or "png"
-    if out.is_file() and not out.is_symlink() or not out.exists():
+    if (out.is_file() and not out.is_symlink()) or not out.exists():
         fig.savefig(out, dpi=100, format=image_type)
     else:  # a device or pipe, which matplotlib's PNG writer cannot seek in: the image made first
         image = io.BytesIO()
@@ -163,9 +163,9 @@ def _image_path(out: Path, formats: Iterable[str]) -> Path:
 
 
 def _lookups(valid: list[dict[str, Any]]) -> tuple[dict[int, dict[str, Any]], list[float], list[int]]:
-    """For `compare_runs`, in O(n log n) rather than a scan per row (stop 53: 9 s for two runs of
-    3,000 validations): each step's first validation; the validations' times sorted; and for each
-    prefix of that order, the largest file index in it."""
+    """For `compare_runs`, in O(n log n) rather than a scan per row (stop 54: two runs of 3,000
+    validations, 1.18 s -> 0.08 s): each step's first validation; the validations' times sorted;
+    and for each prefix of that order, the largest file index in it."""
     by_step: dict[int, dict[str, Any]] = {}
     for e in valid:
         by_step.setdefault(e["step"], e)

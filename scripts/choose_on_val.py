@@ -7,14 +7,14 @@ moving average of the weights (checkpoints/ema.pt, when trained with train.ema),
 ensemble of the last N step checkpoints for each N in `--ensemble` (decoded together, `mtx eval
 --checkpoint A --checkpoint B ...`), all with the config's length penalty; then, on the best of
 those, each length penalty in `--length-penalty`, then, with the best penalty, each beam size in
-`--beam` (default: the config's only). BLEU is computed as `mtx eval` computes it. The choice is then tested against
-where it started, the best single checkpoint at the config's penalty and beam: sacreBLEU's paired
-bootstrap test (1,000 resamples of val) says whether its gain could be chance. A gain found by
-picking the best of many settings on val is an optimistic estimate of that setting's gain on new
-data, however small its p-value; the test sets tell. With `--apply` the chosen average
-becomes the run's best.pt (the single best is kept as best_single.pt); a chosen ensemble leaves
-best.pt alone and the script prints the `mtx eval` command that decodes it. The last line is
-JSON for scripts.
+`--beam` (default: the config's only). BLEU is computed as `mtx eval` computes it. The choice is
+then tested against where it started, the best single checkpoint at the config's penalty and
+beam: sacreBLEU's paired bootstrap test (1,000 resamples of val) says whether its gain could be
+chance. A gain found by picking the best of many settings on val is an optimistic estimate of
+that setting's gain on new data, however small its p-value; the test sets tell. With `--apply`
+the chosen average becomes the run's best.pt (the single best is kept as best_single.pt; not
+while the run trains); a chosen ensemble leaves best.pt alone and the script prints the `mtx
+eval` command that decodes it. The last line is JSON for scripts.
 
     python scripts/choose_on_val.py --run runs/NAME [--last 3,4,5,7,10] [--ensemble 2,4]
         [--length-penalty 0.6,1.0,1.4] [--beam 5,8,12] [--threads 2] [--device auto] [--apply]
