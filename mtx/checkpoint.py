@@ -393,9 +393,14 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
 def any_runs_file(path: Path) -> Path | None:
     """The run whose own file or training checkpoint `path` is, whichever run that is (stop 54:
     eval --output and average --out checked the --run's files only, and wrote over another
-    run's last.pt); None for any other path."""
-    if _training_file(path, path.parent.parent) and (path.parent.parent / CONFIG_FILE).is_file():
-        return path.parent.parent
+    run's last.pt); None for any other path. A link is followed (it is written through), and in a
+    run's checkpoints/ any file there is counted, an average_lastN.pt too."""
+    path = Path(os.path.realpath(path))
+    run = path.parent.parent
+    if (run / CONFIG_FILE).is_file() and (
+        _training_file(path, run) or (path.is_file() and path.parent.name == "checkpoints")
+    ):
+        return run
     if (path.parent / CONFIG_FILE).is_file() and _same_path(path, run_files(path.parent)):
         return path.parent
     return None

@@ -441,10 +441,18 @@ def _hypotheses_name(
     """`eval`'s default hypotheses file: SPLIT.beamN.LANG for the run's own checkpoint in fp32 with
     the run's length penalty; the checkpoints given, another length penalty (`alpha`), the inexact
     stop and bf16 add their tags, so those outputs do not replace it."""
+    from mtx.checkpoint import checkpoint_dir
+
     tags = []
     if args.checkpoint:
         stems = "+".join(_checkpoint_tag(path, args.run) for path in args.checkpoint)
         tags.append(stems if len(stems) <= 100 else f"ensemble{len(args.checkpoint)}")
+        own = checkpoint_dir(args.run).resolve()
+        if len(stems) > 100 or any(path.parent.resolve() != own for path in args.checkpoint):
+            # a shortened name, or a checkpoint of another folder (a/base and b/base are both
+            # "base"), carries a digest of the paths (stop 54: two ensembles shared ensemble2)
+            paths = "\n".join(str(path.resolve()) for path in args.checkpoint)
+            tags.append(hashlib.sha1(paths.encode("utf-8")).hexdigest()[:8])
     tags.append(f"beam{beam}")
     if beam > 1 and alpha is not None and alpha != cfg.decode.length_penalty:
         tags.append(f"lp{alpha:g}")
@@ -655,27 +663,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
             result["bleu_lowercase_ci"] = round(low.bleu_ci, 2)
     if paired:
         result["paired"] = [r.as_dict() for r in paired]
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    stop_note = ", stop finished" if beam > 1 and stop == "finished" else ""
-    print(
-        f"{name} {result['direction']} beam {beam}{stop_note}, {result['precision']} "
-        f"({len(src)} sentences, {', '.join(map(str, run.checkpoints))})"
-    )
-    print(f"BLEU {scores.bleu:6.2f}{_interval(scores.bleu_mean, scores.bleu_ci)}  {scores.bleu_signature}")
-    if args.lowercase:
-        print(f"BLEU {low.bleu:6.2f}{_interval(low.bleu_mean, low.bleu_ci)}  {low.bleu_signature}  (lowercased)")
-    print(f"chrF {scores.chrf:6.2f}{_interval(scores.chrf_mean, scores.chrf_ci)}  {scores.chrf_signature}")
-    for r in paired:
+    # the scores: an error here is standard output's (stop 54: a full disk was not named)
+    with _named_os_errors("standard output"):
+        if args.json:
+            print(json.dumps(result))
+            return 0
+        stop_note = ", stop finished" if beam > 1 and stop == "finished" else ""
         print(
-            f"against {r.name}: BLEU {r.bleu:.2f} -> {scores.bleu:.2f} ({r.bleu_delta:+.2f}, p = {r.bleu_p:.4f}), "
-            f"chrF {r.chrf:.2f} -> {scores.chrf:.2f} ({r.chrf_delta:+.2f}, p = {r.chrf_p:.4f})"
+            f"{name} {result['direction']} beam {beam}{stop_note}, {result['precision']} "
+            f"({len(src)} sentences, {', '.join(map(str, run.checkpoints))})"
         )
-    if paired:
-        print(f"(paired bootstrap, {samples} resamples: p is how often chance alone gives a difference as large)")
-    print(f"hypotheses: {output}")
-    return 0
+        print(f"BLEU {scores.bleu:6.2f}{_interval(scores.bleu_mean, scores.bleu_ci)}  {scores.bleu_signature}")
+        if args.lowercase:
+            print(f"BLEU {low.bleu:6.2f}{_interval(low.bleu_mean, low.bleu_ci)}  {low.bleu_signature}  (lowercased)")
+        print(f"chrF {scores.chrf:6.2f}{_interval(scores.chrf_mean, scores.chrf_ci)}  {scores.chrf_signature}")
+        for r in paired:
+            print(
+                f"against {r.name}: BLEU {r.bleu:.2f} -> {scores.bleu:.2f} ({r.bleu_delta:+.2f}, p = {r.bleu_p:.4f}), "
+                f"chrF {r.chrf:.2f} -> {scores.chrf:.2f} ({r.chrf_delta:+.2f}, p = {r.chrf_p:.4f})"
+            )
+        if paired:
+            print(f"(paired bootstrap, {samples} resamples: p is how often chance alone gives a difference as large)")
+        print(f"hypotheses: {output}")
+        return 0
 
 
 def _progress_bar(desc: str, total: int | None, show: bool = True) -> tqdm:
@@ -735,7 +745,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from mtx.plot import compare_runs
 
-    print("\n".join(compare_runs(args.run)))
+    table = compare_runs(args.run)
+    with _named_os_errors("standard output"):
+        print("\n".join(table))
     return 0
 
 

@@ -575,6 +575,13 @@ class TrainState:
     both_ways_epochs: int = 0  # the first epochs, trained on every pair both ways (train.bidirectional)
     diversified_epoch: int = -1  # the first epoch that adds the model's translations of train (train.diversify)
     extra_source_epochs: int = 0  # the first epochs, with data.extra_src_langs' pairs added (train.extra_sources)
+    validated_step: int = -1  # the last step validated (a checkpoint from before stop 54: its step)
+    # the log window open at the save (steps since the last train record, their loss and target
+    # tokens, its training seconds): a resume mid-window logs the window a straight run logs
+    window_steps: int = 0
+    window_loss: float = 0.0
+    window_tokens: int = 0
+    window_seconds: float = 0.0
 
 
 def _rng_state() -> dict[str, Any]:
@@ -948,6 +955,8 @@ class Trainer:
             if ckpt["scaler"]:  # empty when saved without fp16: a run resumed in fp16 starts a fresh scaler
                 self.scaler.load_state_dict(ckpt["scaler"])
             self.state = TrainState(**ckpt["state"])
+            if "validated_step" not in ckpt["state"]:  # saved before stop 54: taken as validated
+                self.state.validated_step = self.state.step
             if "epoch_ids" in ckpt and self.cfg.tokenizer.bpe_dropout:
                 saved = dict(ckpt["epoch_ids"])
                 self.epoch_ids = (int(saved.pop("epoch")), ParallelIds.from_tensors(saved))
@@ -1319,7 +1328,10 @@ class Trainer:
             self.save()  # from here on the run can always be resumed
         else:
             limit = self._limit_reached()
-            if limit is not None:  # nothing to train: a repeated validation would count toward patience
+            # nothing to train: a repeated validation would count toward patience; but a run stopped
+            # between validations, resumed with its limit lowered to where it stopped, validates that
+            # step as an ending run does (stop 54: no best.pt, and a best val BLEU of -1.0 printed)
+            if limit is not None and st.validated_step == st.step:
                 log.info("done: the run already reached %s, at step %d; raise it to train on", limit, st.step)
                 return st
         pad = padding_fraction(
@@ -1352,7 +1364,7 @@ class Trainer:
         bar = tqdm(
             total=tc.max_steps, initial=st.step, unit="step", dynamic_ncols=True, mininterval=1.0, disable=not main
         )
-        window_tokens, window_loss, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
+        window_start = time.perf_counter()  # of this session's part of the log window (st.window_*)
         last_time = time.perf_counter()
         stop_reason = f"reached train.max_steps={tc.max_steps}"
         try:
@@ -1360,6 +1372,7 @@ class Trainer:
             while st.step < tc.max_steps:
                 signum = self._stop_signal(stop)
                 if signum is not None:
+                    st.window_seconds += time.perf_counter() - window_start
                     self.save()
                     raise Interrupted(
                         f"training stopped by {signal.Signals(signum).name} at step {st.step}; "
@@ -1388,19 +1401,19 @@ class Trainer:
                     continue
                 st.bad_steps_in_row = 0
                 st.step += 1
-                window_tokens += tokens
-                window_loss += loss
-                window_steps += 1
+                st.window_tokens += tokens
+                st.window_loss += loss
+                st.window_steps += 1
                 bar.update(1)
                 if st.step % tc.log_every == 0 or st.step == tc.max_steps:
-                    seconds = time.perf_counter() - window_start
+                    seconds = st.window_seconds + time.perf_counter() - window_start
                     record = {
                         "event": "train",
                         "step": st.step,
                         "epoch": st.epoch,
-                        "loss": window_loss / window_steps,
+                        "loss": st.window_loss / st.window_steps,
                         "lr": self.optimizer.param_groups[0]["lr"],
-                        "tgt_tok_per_s": window_tokens / seconds,
+                        "tgt_tok_per_s": st.window_tokens / seconds,
                         "elapsed_s": st.elapsed,
                         "skipped_steps": st.skipped_steps,
                     }
@@ -1412,13 +1425,15 @@ class Trainer:
                     if metrics is not None:
                         metrics.write(json.dumps(record) + "\n")
                         metrics.flush()
-                    window_tokens, window_loss, window_steps, window_start = 0, 0.0, 0, time.perf_counter()
+                    st.window_steps, st.window_loss, st.window_tokens, st.window_seconds = 0, 0.0, 0, 0.0
+                    window_start = time.perf_counter()
                 at_eval = st.step % tc.eval_every == 0 or st.step == tc.max_steps
                 if at_eval:
+                    st.window_seconds += time.perf_counter() - window_start  # saved with last.pt
                     out_of_patience = self._evaluate(metrics)
                     now = time.perf_counter()
                     st.elapsed += now - last_time  # validating and saving are the loop's time (max_minutes)
-                    window_start += now - last_time  # but not training throughput (tgt_tok_per_s)
+                    window_start = now  # but not training throughput (tgt_tok_per_s)
                     last_time = now
                     if out_of_patience:
                         stop_reason = f"no val BLEU gain in {tc.patience} evaluations (train.patience)"
@@ -1426,7 +1441,8 @@ class Trainer:
                 if self._out_of_time():
                     stop_reason = f"used the time budget train.max_minutes={tc.max_minutes:g}"
                     break
-            if st.step % tc.eval_every and st.step != tc.max_steps:  # stopped between validations
+            st.window_seconds += time.perf_counter() - window_start  # a later resume's first window
+            if st.validated_step != st.step:  # stopped between validations
                 self._evaluate(metrics)
                 st.elapsed += time.perf_counter() - last_time
         finally:
@@ -1470,6 +1486,7 @@ class Trainer:
         Validation runs once, on rank 0; the other ranks wait for its patience verdict."""
         st = self.state
         out_of_patience = False
+        st.validated_step = st.step
         if self.ranks.is_main:
             result = self.validate()
             record = {"event": "valid", "step": st.step, "epoch": st.epoch, **result, "elapsed_s": st.elapsed}

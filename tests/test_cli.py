@@ -497,9 +497,16 @@ def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision()
     )
     # another run's checkpoint (or a file elsewhere) is named by its run (stop 52: another run's
     # best.pt and this run's shared val.best.beam1.en)
-    assert name("--checkpoint", "runs/other/checkpoints/best.pt") == "val.other-best.beam1.en"
-    assert name("--checkpoint", "saved/avg.pt") == "val.saved-avg.beam1.en"
-    assert name(*["--checkpoint", "r/checkpoints/" + "x" * 60 + ".pt"] * 2) == "val.ensemble2.beam1.en"
+    # with a digest of the paths (stop 54: a/base's and b/base's best.pt shared a name, as did two
+    # ensembles of long names)
+    assert re.fullmatch(
+        r"val\.other-best\.[0-9a-f]{8}\.beam1\.en", name("--checkpoint", "runs/other/checkpoints/best.pt")
+    )
+    assert re.fullmatch(r"val\.saved-avg\.[0-9a-f]{8}\.beam1\.en", name("--checkpoint", "saved/avg.pt"))
+    assert name("--checkpoint", "a/base/checkpoints/best.pt") != name("--checkpoint", "b/base/checkpoints/best.pt")
+    long = [["--checkpoint", f"r/checkpoints/{'x' * 60}{i}.pt"] for i in range(4)]
+    assert re.fullmatch(r"val\.ensemble2\.[0-9a-f]{8}\.beam1\.en", name(*long[0], *long[1]))
+    assert name(*long[0], *long[1]) != name(*long[2], *long[3])
     # another length penalty than the run's is named (stop 52: it replaced the run's own file)
     assert name("--beam", "5", "--length-penalty", "2") == "val.beam5.lp2.en"
     assert name("--beam", "5", "--length-penalty", "0.6", "--stop", "finished") == "val.beam5.lp0.6.finished.en"

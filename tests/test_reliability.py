@@ -115,8 +115,8 @@ def test_resume_is_bit_identical_across_epoch_boundaries(tmp_path: Path, mini_da
     assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["rng"]["python"] == b["rng"]["python"]
     assert a["ema"]["updates"] == b["ema"]["updates"] == 40
     assert all(torch.equal(x, y) for x, y in zip(a["ema"]["averages"], b["ema"]["averages"], strict=True))
-    assert {k: v for k, v in a["state"].items() if k != "elapsed"} == {
-        k: v for k, v in b["state"].items() if k != "elapsed"
+    assert {k: v for k, v in a["state"].items() if k not in ("elapsed", "window_seconds")} == {
+        k: v for k, v in b["state"].items() if k not in ("elapsed", "window_seconds")
     }
 
     # the checkpoints: last, best, the last train.keep_last step files, the moving average,
@@ -171,8 +171,8 @@ def straight_and_split_at_25(tmp_path: Path, data: Path, *common: str) -> tuple[
     a = load_weights_only(straight / "checkpoints" / "last.pt")
     b = load_weights_only(split / "checkpoints" / "last.pt")
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert {k: v for k, v in a["state"].items() if k != "elapsed"} == {
-        k: v for k, v in b["state"].items() if k != "elapsed"
+    assert {k: v for k, v in a["state"].items() if k not in ("elapsed", "window_seconds")} == {
+        k: v for k, v in b["state"].items() if k not in ("elapsed", "window_seconds")
     }
     return a, middle
 
@@ -303,6 +303,46 @@ def test_a_resume_on_other_training_data_goes_on_from_the_next_epoch(tmp_path: P
     log = (run / "train.log").read_text()
     assert "the training data changed in the middle of epoch 0: training goes on from the start of epoch 1" in log
     assert log.count("changed in the middle of epoch") == 1
+
+
+def test_a_stop_between_log_lines_resumes_the_log_window_and_validates_its_last_step(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """stop 54: after a stop between two train records the resumed run's first record averaged the
+    steps since the resume alone; and a run so stopped, resumed with train.max_steps lowered to
+    where it stopped, ended without validating that step (no best.pt, "best_val_bleu": -1.0)."""
+    every = ["--set", "train.log_every=5", "--set", "train.eval_every=10"]
+    straight = tmp_path / "straight"
+    assert main(mini_args(mini_data, straight, *every, "--set", "train.max_steps=10")) == 0
+    real = train_module.Trainer.train_step
+
+    def stop_in_step_7(self: train_module.Trainer, group: object) -> object:
+        if self.state.step == 6:
+            os.kill(os.getpid(), signal.SIGTERM)  # the loop stops after this step, at step 7
+        return real(self, group)
+
+    for name in ("split", "lowered"):
+        with monkeypatch.context() as m:
+            m.setattr(train_module.Trainer, "train_step", stop_in_step_7)
+            assert main(mini_args(mini_data, tmp_path / name, *every, "--set", "train.max_steps=10")) == 128 + 15
+        assert load_weights_only(tmp_path / name / "checkpoints" / "last.pt")["state"]["window_steps"] == 2
+    assert main(["train", "--run-dir", str(tmp_path / "split"), "--resume"]) == 0
+    timed = ("tgt_tok_per_s", "elapsed_s")
+
+    def records(run: Path) -> list[dict]:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k not in timed} for line in lines]
+
+    assert records(tmp_path / "split") == records(straight)  # the step-10 record: steps 6-10, as straight
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(tmp_path / "lowered"), "--resume", "--set", "train.max_steps=7"]) == 0
+    done = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert done["step"] == 7 and done["best_val_bleu"] >= 0, done
+    assert (tmp_path / "lowered" / "checkpoints" / "best.pt").is_file()
+    assert [e["step"] for e in records(tmp_path / "lowered") if e["event"] == "valid"] == [7]
+    # resumed again, it has nothing left to do, and validates nothing twice
+    assert main(["train", "--run-dir", str(tmp_path / "lowered"), "--resume", "--set", "train.max_steps=7"]) == 0
+    assert [e["step"] for e in records(tmp_path / "lowered") if e["event"] == "valid"] == [7]
 
 
 def test_checkpoints_without_bpe_dropout_hold_no_segmentation(tiny_run: Path) -> None:
@@ -598,6 +638,13 @@ def _edit(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
+def _link(run: Path, link: Path) -> Path:
+    """A symbolic link to `run`'s config.yaml, beside an average of it in its checkpoints/."""
+    shutil.copy(run / "checkpoints" / "last.pt", run / "checkpoints" / "average_last1.pt")
+    link.symlink_to(run / "config.yaml")
+    return link
+
+
 def _write(path: Path, text: str | bytes) -> Path:
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     return path
@@ -794,12 +841,34 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ("is one of the files of the run", "pass --output with another path"),
     ),
     (
+        "eval --output through a link to another run's config, or over its average (stop 54)",
+        lambda t, d, r: (
+            ["eval", "--run", str(r), "--data-dir", str(d), "--output", str(_link(copy_run(r, t / "o"), t / "l.yaml"))],
+            None,
+        ),
+        ("l.yaml is one of the files of the run",),
+    ),
+    (
         "average --out over another run's best.pt",
         lambda t, d, r: (
             ["average", "--run", str(r), "--out", str(copy_run(r, t / "o", ("best.pt",)) / "checkpoints" / "best.pt")],
             None,
         ),
         ("--out", "is one of the files of the run", "give another path for the average"),
+    ),
+    (
+        "average --out over another run's average",
+        lambda t, d, r: (
+            [
+                "average",
+                "--run",
+                str(r),
+                "--out",
+                str(_link(copy_run(r, t / "o"), t / "l.yaml").parent / "o" / "checkpoints" / "average_last1.pt"),
+            ],
+            None,
+        ),
+        ("average_last1.pt is one of the files of the run",),
     ),
     (
         "average of a run directory that does not exist",
