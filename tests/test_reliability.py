@@ -841,7 +841,7 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ("is one of the files of the run", "pass --output with another path"),
     ),
     (
-        "eval --output through a link to another run's config, or over its average (stop 54)",
+        "eval --output through a link to another run's config (stop 54: written through)",
         lambda t, d, r: (
             ["eval", "--run", str(r), "--data-dir", str(d), "--output", str(_link(copy_run(r, t / "o"), t / "l.yaml"))],
             None,
