@@ -518,6 +518,7 @@ def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> Non
     writable directory (created if missing), none of the files this command reads (`inputs`:
     what each is -> paths), and no run's own file or checkpoint; `-` is standard output."""
     from mtx.checkpoint import any_runs_file
+    from mtx.plot import written_through
 
     if str(output) == "-":
         return
@@ -531,7 +532,7 @@ def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> Non
             f"the hypotheses file {output} is one of the files of the run {other_run}; pass --output with another path"
         )
     output.parent.mkdir(parents=True, exist_ok=True)
-    if _written_through(output):  # a device, pipe or link: it is opened as it is, not replaced
+    if written_through(output):  # a device, pipe or link: it is opened as it is, not replaced
         return
     if not os.access(output.parent, os.W_OK | os.X_OK):
         raise MtxError(f"--output {output}: cannot write to {output.parent}")
@@ -545,12 +546,6 @@ def _is_stdout(path: Path) -> bool:
     except (OSError, ValueError, AttributeError):  # no such path; a stream without a descriptor
         return False
     return (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino)
-
-
-def _written_through(output: Path) -> bool:
-    """Whether `output` is written by opening it (`/dev/null`, `/dev/stdout`, a pipe, a symbolic
-    link) rather than replaced atomically by a new regular file."""
-    return output.is_symlink() or (output.exists() and not output.is_file())
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -573,6 +568,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
     from mtx.checkpoint import atomic_write_text, checkpoint_dir, run_files
     from mtx.data import eval_split_files, read_lines, read_parallel, warn_unless_nfc
+    from mtx.plot import written_through
     from mtx.search import translate
 
     # the data and the other systems' outputs are checked before the model is loaded
@@ -635,7 +631,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         with _named_os_errors("standard output"):
             sys.stdout.write("".join(t + "\n" for t in text))
             sys.stdout.flush()
-    elif _written_through(output):
+    elif written_through(output):
         with _named_os_errors(str(output)), open(output, "w", encoding="utf-8") as f:
             f.write("".join(t + "\n" for t in text))
     else:

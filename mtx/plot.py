@@ -132,7 +132,7 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     image_type = out.suffix[1:].lower() or "png"
-    if (out.is_file() and not out.is_symlink()) or not out.exists():
+    if not written_through(out):
         fig.savefig(out, dpi=100, format=image_type)
     else:  # a device or pipe, which matplotlib's PNG writer cannot seek in: the image made first
         image = io.BytesIO()
@@ -146,11 +146,18 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     return out
 
 
+def written_through(path: Path) -> bool:
+    """Whether an output `path` is written by opening it (`/dev/null`, `/dev/stdout`, a pipe, a
+    symbolic link) rather than replaced by a new regular file: `eval --output`'s and `plot --out`'s
+    rule (stop 54: `plot --out /dev/stdout` wrote /dev/stdout.png)."""
+    return path.is_symlink() or (path.exists() and not path.is_file())
+
+
 def _image_path(out: Path, formats: Iterable[str]) -> Path:
     """`out`, with `.png` added where it has no suffix (matplotlib would add it unseen), unless it
     is a link, device or pipe (`/dev/stdout`: stop 54 wrote /dev/stdout.png), written through as PNG; an
     image type matplotlib cannot write is a one-line error."""
-    if out.is_symlink() or (out.exists() and not out.is_file() and not out.is_dir()):
+    if written_through(out):
         return out
     if not out.suffix:
         return out.with_suffix(".png")
