@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from mtx import __version__
 from mtx.config import MAX_LENGTH_PENALTY, QUANTIZATIONS, STOPS
@@ -129,8 +129,18 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that help and version text that cannot be written is an error:
+    argparse drops the OSError, so `mtx --help > /dev/full` printed nothing and exited 0 (stop 55).
+    Subcommands' parsers are of the same class (`add_subparsers` makes them so)."""
+
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+        if message:
+            (file or sys.stderr).write(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mtx",
         description="Train Transformer translation models on Multi30k, translate, and score with sacreBLEU.",
     )
@@ -770,7 +780,20 @@ def _utf8_stdout() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        with _named_os_errors("standard output"):
+            try:
+                args = parser.parse_args(argv)
+            except SystemExit as done:  # --help, --version (0); a usage error (2, on standard error)
+                if done.code == 0:  # the help text in the buffer, written now rather than at exit
+                    sys.stdout.flush()
+                raise
+    except BrokenPipeError:
+        return 141
+    except OSError as e:
+        _error_line(os_error_line("mtx", e))
+        _release_stdout()
+        return 1
     _setup_logging(args.verbose)
     try:
         if sys.stdout is None:  # (stop 54: translate's traceback after decoding; eval's scores lost)

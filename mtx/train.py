@@ -724,6 +724,7 @@ class Trainer:
         seed_everything(tc.seed)
         self.device = rank_device(tc.device, ranks)
         self.amp = amp_dtype(self.device, tc.amp)
+        self.amp_resumed = False  # train.amp auto's choice on CPU taken from last.pt (`_keep_cpu_precision`)
         if tc.amp == "auto" and self.device.type == "cpu" and ranks.world_size > 1:
             # each rank timed bf16 on its own (`cpu_bf16_speedup`): rank 0's choice holds for all
             self.amp = torch.bfloat16 if self._from_main(self.amp is not None) else None
@@ -936,6 +937,7 @@ class Trainer:
         if saved is None or self.cfg.train.amp != "auto" or self.device.type != "cpu":
             return
         keep = torch.bfloat16 if saved == "bf16" and cpu_bf16_speedup() > 0 else None
+        self.amp_resumed = True
         if keep != self.amp:
             log.info("train.amp auto: going on in %s, as the run was trained", saved if keep else "fp32")
             self.amp = keep
@@ -1340,7 +1342,11 @@ class Trainer:
         n_params = sum(p.numel() for p in self.model.parameters())
         precision = str(self.amp).replace("torch.", "") if self.amp else "fp32"
         if tc.amp == "auto" and self.device.type == "cpu" and cpu_bf16_speedup() > 0:
-            precision += f" (train.amp auto: bf16 products {cpu_bf16_speedup():.2f}x as fast as fp32 on this CPU)"
+            # a resumed run keeps its precision: the timing no longer chose it (stop 55: "bf16 (... 0.82x
+            # as fast as fp32)" read as a choice against the timing)
+            why = "as the run was trained; " if self.amp_resumed else ""
+            speed = f"bf16 products {cpu_bf16_speedup():.2f}x as fast as fp32 on this CPU"
+            precision += f" (train.amp auto: {why}{speed})"
         log.info(
             "device %s, precision %s, %d parameters, %d training pairs, %d val sentences, padding %.1f%%",
             self.device,

@@ -347,6 +347,18 @@ def test_output_paths_that_are_not_files_or_not_what_the_command_takes_are_one_l
                 full = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, cwd=REPO, env=env, timeout=600)
             assert full.returncode == 1 and "Exception ignored" not in full.stderr.decode(), full.stderr.decode()
             assert_one_line_error(full, "standard output: No space left on device")
+        # stop 55: argparse drops the OSError of its help text (exit 0, unbuffered) or leaves it to
+        # Python's flush at exit (120 and "Exception ignored", buffered)
+        for help_args, child_env in (
+            (["--help"], env),
+            (["translate", "--help"], {**env, "PYTHONUNBUFFERED": "1"}),
+            (["--version"], env),
+        ):
+            with open("/dev/full", "wb") as out:
+                argv = [sys.executable, "-m", "mtx", *help_args]
+                full = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, cwd=REPO, env=child_env, timeout=600)
+            assert full.returncode == 1 and "Exception ignored" not in full.stderr.decode(), full.stderr.decode()
+            assert_one_line_error(full, "standard output: No space left on device")
 
 
 def test_standard_streams_closed_or_named_as_files(tiny_run: Path, tmp_path: Path) -> None:

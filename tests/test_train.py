@@ -357,6 +357,8 @@ def test_auto_precision_on_cpu_goes_on_as_the_run_was_trained(
     resumed = (run / "train.log").read_text().split(" INFO done: ")[1]  # the resumed session's lines
     assert f"train.amp auto: going on in {trained}, as the run was trained" in resumed
     assert ("precision bfloat16" in resumed) == (trained == "bf16")
+    # the timing printed beside the kept precision, not as what chose it (stop 55)
+    assert f"(train.amp auto: as the run was trained; bf16 products {then:.2f}x as fast as fp32" in resumed
     # without native bf16 (emulated, many times slower) a bf16 run goes on in fp32
     monkeypatch.setattr(train_module, "cpu_bf16_speedup", lambda: 0.0)
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=4"]) == 0
