@@ -598,7 +598,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if samples * len(src) > MAX_RESAMPLED:  # before decoding; sacreBLEU would run out of memory after it
         raise MtxError(
             f"{samples} bootstrap resamples of {len(src)} sentences take "
-            f"{samples * len(src) * BYTES_PER_RESAMPLED / 2**30:.0f} GB "
+            f"{samples * len(src) * BYTES_PER_RESAMPLED / 2**30:.1f} GiB "
             f"in sacreBLEU; pass --bootstrap {MAX_RESAMPLED // len(src)} or fewer"
         )
     # the other systems' outputs, read and counted before decoding: a wrong file fails at once

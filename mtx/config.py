@@ -118,7 +118,7 @@ class TrainConfig:
     seed: int = 1
     log_every: int = 50
     eval_every: int = 1000
-    eval_sentences: int = 0  # val sentences used for BLEU during training; 0: all
+    eval_sentences: int = 0  # the first N val sentences, for the val loss and BLEU during training; 0: all
     patience: int = 0  # stop after this many evals without a better val BLEU; 0: never
     keep_last: int = 10  # step checkpoints kept in checkpoints/ (for averaging)
     ema: float = 0.0  # decay of a moving average of the weights, saved as checkpoints/ema.pt; 0: none

@@ -23,7 +23,7 @@ PAIRED_SAMPLES = 1000  # resamples of a paired test when none are asked for (sac
 # statistics as float32 (chrF's 18), 80 bytes; measured with tracemalloc on val at 1,000 and 4,000
 # resamples: 81-83 bytes, for corpus_scores and paired_tests alike (stop 53)
 BYTES_PER_RESAMPLED = 84
-MAX_RESAMPLED = 25_000_000  # most resampled sentences (resamples x sentences): about 2 GB
+MAX_RESAMPLED = 25_000_000  # most resampled sentences (resamples x sentences): about 2 GiB
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ def test_eval_prints_intervals_and_paired_tests(
     # sacreBLEU would need 6 GB for these resamples (before, found after decoding, if memory allowed)
     assert main([*args, "--bootstrap", "400000"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "400000 bootstrap resamples of 200 sentences take 6 GB" in err
+    assert err.count("\n") == 1 and "400000 bootstrap resamples of 200 sentences take 6.3 GiB" in err
     assert "pass --bootstrap 125000 or fewer" in err
 
 
