@@ -367,8 +367,13 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
         with run_dir_lock(run_dir, _WHILE_TRAINING):
             pass
     steps = step_checkpoints(run_dir)
-    if not steps:
-        raise CheckpointError(f"{run_dir}: no checkpoints/step_N.pt to average (train with train.keep_last > 0)")
+    if not steps:  # (stop 55: keep_last was blamed for a run that had not validated yet)
+        why = (
+            "train with train.keep_last > 0"
+            if load_run_config(run_dir).train.keep_last == 0
+            else "one is written at each validation, and the run has not validated yet"
+        )
+        raise CheckpointError(f"{run_dir}: no checkpoints/step_N.pt to average ({why})")
     if last < 1:
         raise CheckpointError(f"--last must be >= 1, got {last}")
     chosen = steps[-last:]

@@ -725,8 +725,8 @@ def cmd_average(args: argparse.Namespace) -> int:
     print(f"averaged {len(chosen)} checkpoints ({', '.join(p.name for p in chosen)}) into {out}")
     if len(chosen) < args.last:
         print(
-            f"note: --last {args.last} asked for more step checkpoints than the run kept ({len(chosen)}; "
-            "train.keep_last), so all of them were averaged",
+            f"note: --last {args.last} asked for more step checkpoints than the run has ({len(chosen)}: one a "
+            "validation, the newest train.keep_last kept), so all of them were averaged",
             file=sys.stderr,
         )
     if args.as_best:

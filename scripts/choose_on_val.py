@@ -79,9 +79,11 @@ def val_bleu(
     model: Seq2Seq | Ensemble, run: LoadedRun, src_ids: list[list[int]], refs: list[str], alpha: float, beam: int = 0
 ) -> tuple[float, list[str]]:
     """Val BLEU of `model` (of `run`) at length penalty `alpha` and `beam` (0: the config's), and
-    its translations."""
+    its translations. In the run's `decode.precision`, as `mtx eval` decodes it (stop 55: always in
+    fp32, so a bf16 run's chosen val BLEU was not the one its printed eval command gives)."""
     dc = run.cfg.decode
     beam = beam or dc.beam
+    model.to(torch.bfloat16 if dc.precision == "bf16" else torch.float32)  # scores stay float32 (search.py)
     text = translate(
         model,
         run.tgt_tok,
@@ -158,7 +160,7 @@ def choose(args: argparse.Namespace) -> None:
     )
     src_ids = run.src_tok.encode_batch(src)
     alpha = cfg.decode.length_penalty
-    print(f"{args.run}: {split}, beam {cfg.decode.beam}, length penalty {alpha:g}")
+    print(f"{args.run}: {split}, beam {cfg.decode.beam}, length penalty {alpha:g}, {cfg.decode.precision}")
 
     texts: dict[tuple[str, float, int], list[str]] = {}  # (candidate, penalty, beam) -> val translations
 

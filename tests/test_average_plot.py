@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import mtx.search
 from mtx.checkpoint import (
     atomic_save,
     average_checkpoints,
@@ -180,6 +181,15 @@ def test_average_of_more_than_the_kept_checkpoints_says_so(run_copy: Path, capsy
     assert f"averaged {kept} checkpoints" in out
     assert f"--last {kept + 5}" in err and "train.keep_last" in err
     assert (run_copy / "checkpoints" / f"average_last{kept}.pt").is_file()
+    # none yet: a run stopped before its first validation (stop 55: keep_last was blamed)
+    for path in step_checkpoints(run_copy):
+        path.unlink()
+    assert main(["average", "--run", str(run_copy)]) == 1
+    assert "one is written at each validation, and the run has not validated yet" in capsys.readouterr().err
+    config = run_copy / "config.yaml"
+    config.write_text(config.read_text().replace("keep_last: 3\n", "keep_last: 0\n"))
+    assert main(["average", "--run", str(run_copy)]) == 1
+    assert "no checkpoints/step_N.pt to average (train with train.keep_last > 0)" in capsys.readouterr().err
 
 
 def test_average_and_translate_with_a_restricted_output(tiny_restricted_run: Path, tmp_path: Path) -> None:
@@ -253,7 +263,22 @@ def test_choose_on_val_scores_the_split_training_validated_on(
         script, [*run_args, "--last", "2", "--length-penalty", "1.0"], monkeypatch, capsys
     )
     assert code == 0, err
-    assert out.startswith(f"{run_copy}: dev, beam ")
+    assert out.startswith(f"{run_copy}: dev, beam ") and out.splitlines()[0].endswith(", fp32")
+    # in the run's decode.precision, as mtx eval decodes it (stop 55: always fp32)
+    config.write_text(config.read_text().replace("precision: fp32\n", "precision: bf16\n"))
+    decoded = []
+    search_translate = mtx.search.translate
+
+    def recorded(model: torch.nn.Module, *rest: object, **options: object) -> list[str]:
+        decoded.append(next(model.parameters()).dtype)
+        return search_translate(model, *rest, **options)
+
+    monkeypatch.setattr(mtx.search, "translate", recorded)
+    code, out, err = script_in_process(
+        script, [*run_args, "--last", "2", "--length-penalty", "1.0", "--beam", "1"], monkeypatch, capsys
+    )
+    assert code == 0, err
+    assert out.splitlines()[0].endswith(", bf16") and len(decoded) >= 3 and set(decoded) == {torch.bfloat16}
     # a run stopped before its first validation has no best.pt: it starts from last.pt, as eval does
     (run_copy / "checkpoints" / "best.pt").unlink()
     code, out, err = script_in_process(script, run_args, monkeypatch, capsys)
