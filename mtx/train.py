@@ -740,9 +740,14 @@ class Trainer:
             )
         self._barrier()  # rank 0 has trained and saved a new run's tokenizer before the others load it
         if resume or not ranks.is_main:  # a run that has weights never retrains its tokenizer
-            self.src_tok, self.tgt_tok = load_run_tokenizers(
-                run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang
-            )
+            try:
+                self.src_tok, self.tgt_tok = load_run_tokenizers(
+                    run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang
+                )
+            except CheckpointError:
+                if resume:  # a --set of tokenizer.joint or a language named a missing file (stop 55)
+                    _check_unchanged_from_last(run_dir, cfg)
+                raise
         self.train_ids = ParallelIds.encode(train_src, train_tgt, self.src_tok, self.tgt_tok, cfg.data.max_len)
         self.train_texts = (train_src, train_tgt)
         if not len(self.train_ids):
@@ -1657,6 +1662,13 @@ def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path) -> None:
                     f"{path}: --resume cannot change {section}.{key} (the run was trained with {old!r}, "
                     f"now {new!r}); start a new run for that"
                 )
+
+
+def _check_unchanged_from_last(run_dir: Path, cfg: Config) -> None:
+    """`_check_unchanged` against the run's last.pt, where it has one."""
+    path = ckpt_io.checkpoint_dir(run_dir) / "last.pt"
+    if path.is_file():
+        _check_unchanged(ckpt_io.load_checkpoint(path).get("config", {}), cfg, path)
 
 
 # keys the copied tokenizer and the loaded weights depend on: a run started from another must share them

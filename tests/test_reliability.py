@@ -934,6 +934,14 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ),
         ("--resume cannot change train.optimizer", "'adam'", "'adamw'"),
     ),
+    (
+        "resume changing tokenizer.joint (stop 55: 'no tokenizer.de.json; is this an mtx run directory?')",
+        lambda t, d, r: (
+            ["train", "--run-dir", str(copy_run(r, t / "run")), "--resume", "--set", "tokenizer.joint=false"],
+            None,
+        ),
+        ("--resume cannot change tokenizer.joint", "True", "False"),
+    ),
 ]
 
 
