@@ -336,6 +336,15 @@ def _decode_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]
     return batches
 
 
+def within_positions(src_ids: Sequence[Sequence[int]], model: Seq2Seq | Ensemble) -> list[list[int]]:
+    """Source ids cut to the model's positions (room left for EOS), with a warning where any was."""
+    limit = model.cfg.max_positions - 1
+    truncated = sum(len(s) > limit for s in src_ids)
+    if truncated:
+        log.warning("%d input sentence(s) longer than %d tokens were truncated (model.max_positions)", truncated, limit)
+    return [list(s[:limit]) for s in src_ids]
+
+
 def translate_ids(
     model: Seq2Seq | Ensemble,
     src_ids: Sequence[Sequence[int]],
@@ -359,11 +368,7 @@ def translate_ids(
     where given, is called with each count of sentences done (a progress bar's `update`).
     """
     device = device or next(model.parameters()).device
-    limit = model.cfg.max_positions - 1  # room for EOS
-    truncated = sum(len(s) > limit for s in src_ids)
-    if truncated:
-        log.warning("%d input sentence(s) longer than %d tokens were truncated (model.max_positions)", truncated, limit)
-    src_ids = [list(s[:limit]) for s in src_ids]
+    src_ids = within_positions(src_ids, model)
     # an empty input's only translation is empty: `nbest` of it, so that every input gets as many
     results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] * nbest for _ in src_ids]
     todo = [i for i, s in enumerate(src_ids) if s]

@@ -43,11 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.cli import add_set_option, int_in, thread_count, usable_cpus  # noqa: E402
 from mtx.cli import main as mtx_main  # noqa: E402
+from mtx.config import load_config  # noqa: E402
 from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
 from mtx.export import outside_bias  # noqa: E402
 from mtx.model import Seq2Seq  # noqa: E402
-from mtx.search import beam_search, decode_workers, greedy_search, in_workers  # noqa: E402
+from mtx.search import beam_search, decode_workers, greedy_search, in_workers, within_positions  # noqa: E402
 from mtx.tokenizer import EOS  # noqa: E402
 
 # name -> (beam, cache, workers); 0 workers: the default (decode.workers auto)
@@ -75,7 +76,7 @@ def split_batches(
     )
     if sentences:
         src = src[:sentences]
-    ids = run.src_tok.encode_batch(src)
+    ids = within_positions(run.src_tok.encode_batch(src), run.model)  # as `mtx eval` (stop 55: a traceback)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     return len(ids), [[ids[i] for i in order[j : j + batch_sentences]] for j in range(0, len(order), batch_sentences)]
 
@@ -132,7 +133,9 @@ class WholeVocabulary(Seq2Seq):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, help="trained run directory (default: train one)")
-    parser.add_argument("--config", help="config to train when --run is not given (default: configs/tiny.yaml)")
+    parser.add_argument(
+        "--config", help="config to train when --run is not given (default: this checkout's configs/tiny.yaml)"
+    )
     add_set_option(parser, "a config key of the run trained when --run is not given (repeatable)")
     parser.add_argument("--split", default="test_2016_flickr", help="the split decoded (default: %(default)s)")
     parser.add_argument(
@@ -171,14 +174,17 @@ def main() -> None:
         parser.error("--set changes the config of the run trained when --run is not given; a trained run is as it is")
     if args.run is not None and args.config is not None:  # (stop 53: ignored)
         parser.error("--config is the config trained when --run is not given; a trained run has its own")
-    args.config = args.config or "configs/tiny.yaml"
+    args.config = args.config or str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
 
     torch.set_num_threads(args.threads)
     run_dir = args.run
     if run_dir is None:
-        # one run per config and overrides: another --set trains its own run instead of timing this one
-        tag = hashlib.sha1("\n".join(args.overrides).encode()).hexdigest()[:8] if args.overrides else ""
-        run_dir = Path("runs") / f"bench_decode_{Path(args.config).stem}{'_' + tag if tag else ''}"
+        # the config and --set checked first: a mistake is one line, not mtx train's line and ours (stop 55)
+        load_config(args.config, args.overrides)
+        # one run per config and overrides: another --set, or another config of the same file name
+        # (stop 55: it was timed as the first), trains its own run instead of timing this one
+        recipe = Path(args.config).read_bytes() + "\n".join(args.overrides).encode()
+        run_dir = Path("runs") / f"bench_decode_{Path(args.config).stem}_{hashlib.sha1(recipe).hexdigest()[:8]}"
         # a run stopped before its end (Ctrl-C) is resumed to it, not timed half-trained (stop 53);
         # a finished one's resume trains nothing
         if (run_dir / "checkpoints" / "last.pt").is_file():
@@ -190,8 +196,8 @@ def main() -> None:
         trained = mtx_main(train_args)
         if trained == 130:
             raise KeyboardInterrupt  # run_script's one line, exit code 130
-        if trained != 0:
-            raise SystemExit(f"training the benchmark run failed (exit code {trained}; its error is above)")
+        if trained != 0:  # mtx train said why, in one line
+            raise SystemExit(trained)
     run = load_run(run_dir)
     cfg = run.cfg
     n, id_batches = split_batches(run, args.split, args.sentences, args.batch_sentences)

@@ -7,6 +7,7 @@ bf16."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from mtx.errors import ConfigError, run_script
 from mtx.train import BF16_MIN_SPEEDUP
@@ -135,6 +137,9 @@ def test_bench_ctranslate2_converts_through_mtx_export(tiny_run: Path) -> None:
         ("bench_gpu.py", ["--run", "{run}", "--device", "cpu", "--data-dir", "{tmp}"], "{tmp}/test_2016_flickr.de"),
         # fewer batches than steps to time (stop 53: a division by zero)
         ("bench_train.py", ["--config", "{tiny}", "--set", "data.dir={data}", "--steps", "999"], "{data}: train makes"),
+        # the config to train, checked before training (stop 55: mtx train's error line, then the script's)
+        ("bench_decode.py", ["--config", "{tmp}/none.yaml"], "{tmp}/none.yaml: config file not found"),
+        ("bench_decode.py", ["--set", "train.max_stepz=4"], "--set: unknown key train.max_stepz"),
     ],
 )
 def test_benchmarks_report_a_user_mistake_in_one_line(
@@ -156,6 +161,23 @@ def test_benchmarks_report_a_user_mistake_in_one_line(
     assert code == 1, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {message.format(**names)}"), err
+
+
+def test_bench_decode_cuts_a_source_to_the_positions_as_eval_does(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A source longer than model.max_positions is cut, with mtx eval's warning (stop 55: a traceback)."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    config = run / "config.yaml"
+    data_dir = yaml.safe_load(config.read_text())["data"]["dir"]
+    config.write_text(config.read_text().replace(data_dir, str(tmp_path)))
+    (tmp_path / "long.de").write_text("Ein Hund.\n" + "Hund " * 400 + "\n")
+    (tmp_path / "long.en").write_text("A dog.\nA dog.\n")
+    args = ["--run", str(run), "--split", "long", "--threads", "1", "--batch-sentences", "1"]
+    code, out, err = script_in_process(SCRIPT, args, monkeypatch, capsys)
+    assert code == 0, err
+    assert "1 input sentence(s) longer than" in err and json.loads(out.splitlines()[-1])["greedy_tok_per_s"] > 0
 
 
 @pytest.mark.parametrize(
