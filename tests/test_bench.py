@@ -186,6 +186,7 @@ def test_bench_decode_cuts_a_source_to_the_positions_as_eval_does(
         ("bench_decode.py", ["--threads", "100000"], "argument --threads: must be in 1.."),
         ("bench_ctranslate2.py", ["--run", ".", "--beam", "0"], "argument --beam: must be >= 1, got 0"),
         ("bench_train.py", ["--steps", "-2"], "argument --steps: must be >= 1, got -2"),
+        ("bench_train.py", ["--compile", "--warmup", "0"], "torch.compile compiles in the first step"),
         # --set configures the run trained without --run; it was ignored beside --run
         ("bench_decode.py", ["--run", ".", "--set", "model.d_model=256"], "--set changes the config of the run"),
         ("bench_decode.py", ["--run", ".", "--config", "x.yaml"], "--config is the config trained when --run"),
