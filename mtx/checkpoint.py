@@ -89,12 +89,20 @@ def left_by_dead_process(pid: str) -> bool:
 
 
 def clean_stale_tmp(directory: Path) -> list[Path]:
-    """Remove `.NAME.tmp.PID` files left by writers that died mid-save (e.g. `kill -9`)."""
+    """Remove `.NAME.tmp.PID` files left by writers that died mid-save (e.g. `kill -9`). A chosen
+    average that a new best.pt's save had set aside (`_save_best`) is not such a file: where
+    best.pt was replaced before the kill, it is the average's only copy, and it is put in its
+    place (stop 55: it was removed, and the average was lost)."""
     removed = []
     if not directory.is_dir():
         return removed
     for path in directory.glob(".*.tmp.*"):
         if left_by_dead_process(path.name.rsplit(".", 1)[1]):
+            name = path.name.removeprefix(".").split(".aside.tmp.")[0]
+            best = directory / BEST
+            if ".aside.tmp." in path.name and not (best.is_file() and best.samefile(path)):
+                os.replace(path, directory / name)
+                continue
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
@@ -454,16 +462,35 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def _average_in_best(ckpts: Path) -> bool:
-    """Whether a chosen average holds best.pt (training's single is then best_single.pt). A
-    best_single.pt that is best.pt itself (a `make_best` killed between its two steps) is a
-    spare name: it goes, and no average holds best.pt."""
+    """Whether a chosen average (or moving average) holds best.pt; training's single is then
+    best_single.pt. A best_single.pt that is best.pt itself (a `make_best` killed between its two
+    steps) is a spare name, and one beside training's own best.pt (a `save_new_best` killed before
+    it removed it) is outdated: either goes. Which best.pt holds is read from it, not from the
+    names (stop 55: the outdated single made training's new best.pt pass for the average, and it
+    replaced the average in best_average.pt)."""
     best, single = ckpts / BEST, ckpts / BEST_SINGLE
-    if not (single.is_file() and best.is_file()):
+    if not best.is_file():
         return single.is_file()
-    if single.samefile(best):
+    if single.is_file() and single.samefile(best):
         single.unlink()
         return False
-    return True
+    chosen = not _AVERAGE_KEYS.isdisjoint(_top_level(best))
+    if not chosen:
+        single.unlink(missing_ok=True)
+    return chosen
+
+
+def _top_level(path: Path) -> dict[str, Any]:
+    """A checkpoint's top level, its tensors mapped rather than read (`load_checkpoint` where that fails)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 (load_checkpoint names what is wrong with the file)
+        return load_checkpoint(path)
+
+
+# what an average's payload (`average_checkpoints`) and the moving average's (ema.pt) carry, and
+# training's own checkpoints do not
+_AVERAGE_KEYS = frozenset({"averaged_from", "ema_decay"})
 
 
 def _save_best(ckpts: Path, payload: dict[str, Any], keep: Path | None) -> None:

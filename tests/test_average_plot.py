@@ -15,6 +15,7 @@ from mtx.checkpoint import (
     atomic_save,
     average_checkpoints,
     best_single,
+    clean_stale_tmp,
     load_checkpoint,
     load_run,
     make_best,
@@ -101,6 +102,30 @@ def test_a_resumed_run_keeps_the_chosen_average_beside_its_new_best(tmp_path: Pa
     make_best(tmp_path, {"step": 80, "averaged_from": ["step_60.pt", "step_80.pt"]})  # a newer choice
     assert _read(ckpts / "best_average.pt")["averaged_from"] == ["step_70.pt", "step_80.pt"]
     assert _read(ckpts / "best_single.pt")["step"] == 80 and not list(ckpts.glob(".*"))
+
+
+def test_a_new_best_killed_mid_save_loses_no_chosen_average(tmp_path: Path) -> None:
+    """stop 55, a helper's kill -9 after each rename of training's save of a new best.pt over a
+    chosen average: the average set aside under a temporary name was removed as a dead writer's,
+    and the outdated best_single.pt made the new best.pt pass for the average, so the next new
+    best replaced the average in best_average.pt."""
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    average = {"step": 40, "averaged_from": ["step_30.pt", "step_40.pt"]}
+    dead = 2**22 + 17  # above Linux's largest pid: no process
+    # killed after best.pt was replaced, before the set-aside average was renamed
+    atomic_save({"step": 60}, ckpts / "best.pt")
+    atomic_save({"step": 40}, ckpts / "best_single.pt")
+    atomic_save(average, ckpts / f".best_average.pt.aside.tmp.{dead}")
+    assert clean_stale_tmp(ckpts) == [] and _read(ckpts / "best_average.pt") == average
+    # killed after that rename, before the outdated single was removed (the state above, now)
+    assert save_new_best(tmp_path, {"step": 80}) is None and not (ckpts / "best_single.pt").exists()
+    assert _read(ckpts / "best_average.pt") == average and _read(ckpts / "best.pt") == {"step": 80}
+    # killed before best.pt was replaced: the set-aside name is a spare name of best.pt, and goes
+    make_best(tmp_path, average)
+    os.link(ckpts / "best.pt", ckpts / f".best_average.pt.aside.tmp.{dead}")
+    assert clean_stale_tmp(ckpts) == [ckpts / f".best_average.pt.aside.tmp.{dead}"]
+    assert _read(ckpts / "best.pt") == average and _read(ckpts / "best_single.pt") == {"step": 80}
 
 
 def test_a_failed_or_interrupted_choice_leaves_best_pt_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
