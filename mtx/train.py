@@ -52,7 +52,7 @@ from mtx.data import (
     texts,
     warn_unless_nfc,
 )
-from mtx.errors import CheckpointError, Interrupted, MtxError
+from mtx.errors import CheckpointError, ConfigError, Interrupted, MtxError
 from mtx.evaluate import corpus_scores
 from mtx.model import Dropout, Seq2Seq, make_src_mask
 from mtx.search import translate, translate_ids
@@ -723,6 +723,7 @@ class Trainer:
             torch.set_num_threads(_thread_count(tc.threads))
         seed_everything(tc.seed)
         self.device = rank_device(tc.device, ranks)
+        self._check_same_config()
         self.amp = amp_dtype(self.device, tc.amp)
         self.amp_resumed = False  # train.amp auto's choice on CPU taken from last.pt (`_keep_cpu_precision`)
         if tc.amp == "auto" and self.device.type == "cpu" and ranks.world_size > 1:
@@ -845,6 +846,23 @@ class Trainer:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return t.tolist()
+
+    def _check_same_config(self) -> None:
+        """Every rank trains rank 0's config, but for the keys a machine may set for itself (stop
+        55: a `--set train.max_steps` given on one machine only hung the job at that rank's end)."""
+        if self.ranks.world_size == 1:
+            return
+        box: list[Any] = [to_dict(self.cfg) if self.ranks.is_main else None]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        main, mine = _flat(box[0]), _flat(to_dict(self.cfg))
+        differ = [key for key, value in main.items() if key not in _PER_MACHINE and mine.get(key) != value]
+        flag = torch.tensor([float(bool(differ))], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops, not only the one that differs
+        same = "give every process the same config and --set"
+        if differ:
+            raise ConfigError(f"rank {self.ranks.rank}'s config differs from rank 0's at {', '.join(differ)}; {same}")
+        if flag.item():
+            raise ConfigError(f"another rank's config differs from rank 0's (its error names the keys); {same}")
 
     def _from_main(self, flag: bool) -> bool:
         """Rank 0's `flag` on every rank (the others wait here for rank 0)."""
@@ -1662,6 +1680,15 @@ def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path) -> None:
                     f"{path}: --resume cannot change {section}.{key} (the run was trained with {old!r}, "
                     f"now {new!r}); start a new run for that"
                 )
+
+
+# keys whose values may differ between the machines of one job: where each keeps the data, its cores
+_PER_MACHINE = frozenset({"data.dir", "train.threads"})
+
+
+def _flat(tree: dict[str, Any]) -> dict[str, Any]:
+    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}."""
+    return {f"{section}.{key}": value for section, keys in tree.items() for key, value in keys.items()}
 
 
 def _check_unchanged_from_last(run_dir: Path, cfg: Config) -> None:

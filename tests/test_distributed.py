@@ -22,6 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from mtx.config import Config, load_config
 from mtx.data import Batch, ParallelIds, epoch_batches, plan_batches
+from mtx.errors import ConfigError
 from mtx.train import Ranks, Trainer
 
 from .conftest import REPO, TINY_CONFIG, tiny_args
@@ -174,6 +175,32 @@ def test_ranks_train_in_rank_0s_choice_of_precision(tmp_path: Path, mini_data: P
     run_dir.mkdir()
     mp.spawn(amp_worker, args=(mini_data, run_dir, tmp_path / "store", tmp_path), nprocs=2, join=True)
     assert [(tmp_path / f"amp{r}.txt").read_text() for r in (0, 1)] == ["torch.bfloat16"] * 2
+
+
+def config_worker(rank: int, data_dir: Path, run_dir: Path, store: Path, out: Path) -> None:
+    """Rank 1 with another train.max_steps, and its own copy of the data (another data.dir)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    own = [f"data.dir={data_dir if rank == 0 else out / 'copy'}", "train.threads=1", "train.device=cpu"]
+    cfg = load_config(TINY_CONFIG, [*own, *(["train.max_steps=20"] if rank else [])])
+    try:
+        Trainer(cfg, run_dir, resume=False, ranks=Ranks(rank, rank, 2))
+    except ConfigError as e:
+        (out / f"error{rank}.txt").write_text(str(e))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_different_configs_stop_at_once(tmp_path: Path, mini_data: Path) -> None:
+    """stop 55: a --set given on one machine only hung the job when that rank ended first; the keys a
+    machine may set for itself (data.dir, train.threads) may differ."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(mini_data, tmp_path / "copy")
+    mp.spawn(config_worker, args=(mini_data, run_dir, tmp_path / "store", tmp_path), nprocs=2, join=True)
+    same = "give every process the same config and --set"
+    assert (tmp_path / "error1.txt").read_text() == f"rank 1's config differs from rank 0's at train.max_steps; {same}"
+    assert (tmp_path / "error0.txt").read_text().startswith("another rank's config differs from rank 0's")
 
 
 def torchrun(*args: str) -> subprocess.CompletedProcess[bytes]:
