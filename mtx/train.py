@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -1391,7 +1392,13 @@ class Trainer:
         main = self.ranks.is_main
         metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") if main else None
         bar = tqdm(
-            total=tc.max_steps, initial=st.step, unit="step", dynamic_ncols=True, mininterval=1.0, disable=not main
+            total=tc.max_steps,
+            initial=st.step,
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=1.0,
+            disable=not main,
+            file=UntilReaderGone(sys.stderr),
         )
         window_start = time.perf_counter()  # of this session's part of the log window (st.window_*)
         last_time = time.perf_counter()
@@ -1689,6 +1696,34 @@ _PER_MACHINE = frozenset({"data.dir", "train.threads"})
 def _flat(tree: dict[str, Any]) -> dict[str, Any]:
     """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}."""
     return {f"{section}.{key}": value for section, keys in tree.items() for key, value in keys.items()}
+
+
+class UntilReaderGone:
+    """A text stream that stops writing, quietly, once it cannot be written (its reader gone: a
+    `mtx train ... 2>&1 | tee log` whose tee was killed). The progress bar then ends and training
+    goes on, train.log keeping its record (stop 55: the bar's next write ended the run with exit
+    141, and the steps since the last checkpoint were lost)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        self._try(lambda: self.stream.write(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._try(self.stream.flush)
+
+    def _try(self, action: Callable[[], object]) -> None:
+        if not self.gone:
+            try:
+                action()
+            except (OSError, ValueError, AttributeError):  # a closed file; no stream (None)
+                self.gone = True
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding: the stream's
+        return getattr(self.stream, name)
 
 
 def _check_unchanged_from_last(run_dir: Path, cfg: Config) -> None:

@@ -1030,6 +1030,25 @@ def test_bad_input_is_one_line_error_and_changes_nothing(
     assert snapshot(tmp_path, tiny_run) == before  # nothing created, changed or removed
 
 
+class GoneReader(io.StringIO):
+    """Standard error whose reader has gone (`mtx train 2>&1 | tee log`, tee killed): EPIPE."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_training_goes_on_when_standard_error_cannot_be_written(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop 55: the progress bar's next write ended the run with exit 141, and the steps since the
+    last checkpoint were lost; now the bar ends, training goes on and train.log keeps the record."""
+    monkeypatch.setattr(sys, "stderr", GoneReader())
+    run = tmp_path / "run"
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=6", "--set", "train.eval_every=6")) == 0
+    assert load_weights_only(run / "checkpoints" / "last.pt")["step"] == 6
+    assert "done: reached train.max_steps=6, at step 6" in (run / "train.log").read_text()
+
+
 def test_a_failed_start_leaves_its_empty_directory_for_the_fixed_config(
     tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
