@@ -97,12 +97,12 @@ def clean_stale_tmp(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return removed
     for path in directory.glob(".*.tmp.*"):
-        if left_by_dead_process(path.name.rsplit(".", 1)[1]):
-            name = path.name.removeprefix(".").split(".aside.tmp.")[0]
-            best = directory / BEST
-            if ".aside.tmp." in path.name and not (best.is_file() and best.samefile(path)):
-                os.replace(path, directory / name)
-                continue
+        if not left_by_dead_process(path.name.rsplit(".", 1)[1]):
+            continue
+        best = directory / BEST
+        if ".aside.tmp." in path.name and not (best.is_file() and best.samefile(path)):
+            os.replace(path, directory / path.name.removeprefix(".").split(".aside.tmp.")[0])
+        else:
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed

@@ -119,9 +119,12 @@ def clean_line(text: str) -> str:
     """A line as mtx reads it: stripped of whitespace and of a byte order mark before it (one
     starts each file that Notepad saved, and so each joined file's first line after `cat`); a line
     of invisible characters alone (zero-width spaces) is empty (stop 54: it was translated as a
-    sentence, and passed the data's empty-line check)."""
+    sentence, and passed the data's empty-line check), whitespace between them too (stop 55)."""
     line = text.strip().removeprefix(BOM).strip()
-    return "" if not line.strip(INVISIBLE).strip() else line
+    return "" if not line.translate(_DROP_INVISIBLE).strip() else line
+
+
+_DROP_INVISIBLE = dict.fromkeys(map(ord, INVISIBLE))
 
 
 def _checked_line(text: str, source: str, number: int, what: str) -> str:

@@ -742,14 +742,9 @@ class Trainer:
             )
         self._barrier()  # rank 0 has trained and saved a new run's tokenizer before the others load it
         if resume or not ranks.is_main:  # a run that has weights never retrains its tokenizer
-            try:
-                self.src_tok, self.tgt_tok = load_run_tokenizers(
-                    run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang
-                )
-            except CheckpointError:
-                if resume:  # a --set of tokenizer.joint or a language named a missing file (stop 55)
-                    _check_unchanged_from_last(run_dir, cfg)
-                raise
+            self.src_tok, self.tgt_tok = load_run_tokenizers(
+                run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang
+            )
         self.train_ids = ParallelIds.encode(train_src, train_tgt, self.src_tok, self.tgt_tok, cfg.data.max_len)
         self.train_texts = (train_src, train_tgt)
         if not len(self.train_ids):
@@ -1000,11 +995,7 @@ class Trainer:
             raise CheckpointError(
                 f"{path}: cannot restore the training state ({e.__class__.__name__}: {str(e)[:100]})"
             ) from None
-        if self.state.step > self.cfg.train.max_steps:  # before anything is written: a mistake, not a run to end
-            raise MtxError(
-                f"{path}: the run is at step {self.state.step}, past train.max_steps={self.cfg.train.max_steps}; "
-                "resume with a larger train.max_steps (the run is unchanged)"
-            )
+        _check_below_max_steps(self.state.step, self.cfg, path)
         if not same_ranks and self.ranks.rank:
             torch.manual_seed(rank_seed(self.cfg.train.seed, self.ranks.rank, self.state.step))
         if self.state.world_size != self.ranks.world_size:
@@ -1350,6 +1341,7 @@ class Trainer:
                 return self.fit(own)
         tc = self.cfg.train
         st = self.state
+        limit = None
         if not self.resumed:
             self.save()  # from here on the run can always be resumed
         else:
@@ -1360,6 +1352,9 @@ class Trainer:
             if limit is not None and st.validated_step == st.step:
                 log.info("done: the run already reached %s, at step %d; raise it to train on", limit, st.step)
                 return st
+            if self.ranks.is_main:  # the --set changes, recorded once they take effect (stop 55: also where
+                # nothing was left to train, which changes no file but train.log)
+                ckpt_io.atomic_write_text(self.run_dir / ckpt_io.CONFIG_FILE, config_text(self.cfg))
         pad = padding_fraction(
             self.train_ids, plan_batches(self.train_ids.src_lens, self.train_ids.tgt_lens, tc.batch_tokens)
         )
@@ -1402,10 +1397,13 @@ class Trainer:
         )
         window_start = time.perf_counter()  # of this session's part of the log window (st.window_*)
         last_time = time.perf_counter()
-        stop_reason = f"reached train.max_steps={tc.max_steps}"
+        stop_reason = f"reached train.max_steps={tc.max_steps}" if limit is None else f"reached {limit}"
         try:
             groups = self._micro_batches()
-            while st.step < tc.max_steps:
+            # a limit already reached (a stop between validations, resumed with its limit at or
+            # below what it used) trains no step: only that step's validation is left (stop 55:
+            # a used train.max_minutes trained one more step, checked after it)
+            while st.step < tc.max_steps and limit is None:
                 signum = self._stop_signal(stop)
                 if signum is not None:
                     st.window_seconds += time.perf_counter() - window_start
@@ -1625,8 +1623,14 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
     `train.init_from`, copy the other run's tokenizer into it).
 
     On resume nothing is written here: `fit` records the config only once the checkpoint has
-    been restored, so a failed resume changes nothing."""
+    been restored, so a failed resume changes nothing. The --set changes a resume refuses are
+    found here, before train.log is opened (stop 55: the data's log lines were written to it)."""
     check_run_dir(run_dir, cfg, resume)
+    if resume:
+        path = ckpt_io.checkpoint_dir(run_dir) / "last.pt"
+        last = ckpt_io.load_checkpoint(path)
+        _check_unchanged(last.get("config", {}), cfg, path)
+        _check_below_max_steps(last.get("state", {}).get("step", 0), cfg, path)
     if not resume:
         source = init_source(cfg)
         if run_dir.is_dir() and unfinished_start(run_dir):
@@ -1671,13 +1675,17 @@ _PLAN_KEYS = (
 _FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer state depend on
     "tokenizer": tuple(to_dict(Config())["tokenizer"]),
     "model": tuple(k for k in to_dict(Config())["model"] if "dropout" not in k),
-    "data": ("src_lang", "tgt_lang"),
-    "train": ("optimizer",),  # the optimizer state holds its parameter groups
+    "data": ("src_lang", "tgt_lang", "valid_split"),
+    # the optimizer state holds its parameter groups; init_from starts a new run only (stop 55: set on
+    # resume, it was recorded in config.yaml and never read); best.pt's val BLEU is of the val
+    # sentences it was scored on (stop 55: 2 sentences' 3.51 beat 100 sentences' 2.90)
+    "train": ("optimizer", "init_from", "eval_sentences"),
 }
 
 
 def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path) -> None:
-    """On resume, refuse --set changes to keys the weights or tokenizer depend on."""
+    """On resume, refuse --set changes to keys the weights, tokenizer, optimizer state or best.pt's
+    comparisons depend on."""
     now = to_dict(cfg)
     for section, keys in _FIXED_ON_RESUME.items():
         for key in keys:
@@ -1713,7 +1721,7 @@ class UntilReaderGone:
         return len(text)
 
     def flush(self) -> None:
-        self._try(self.stream.flush)
+        self._try(lambda: self.stream.flush())
 
     def _try(self, action: Callable[[], object]) -> None:
         if not self.gone:
@@ -1726,16 +1734,19 @@ class UntilReaderGone:
         return getattr(self.stream, name)
 
 
-def _check_unchanged_from_last(run_dir: Path, cfg: Config) -> None:
-    """`_check_unchanged` against the run's last.pt, where it has one."""
-    path = ckpt_io.checkpoint_dir(run_dir) / "last.pt"
-    if path.is_file():
-        _check_unchanged(ckpt_io.load_checkpoint(path).get("config", {}), cfg, path)
+def _check_below_max_steps(step: int, cfg: Config, path: Path) -> None:
+    """A resume past train.max_steps is a mistake, not a run to end: refused before anything is written."""
+    if step > cfg.train.max_steps:
+        raise MtxError(
+            f"{path}: the run is at step {step}, past train.max_steps={cfg.train.max_steps}; "
+            "resume with a larger train.max_steps (the run is unchanged)"
+        )
 
 
 # keys the copied tokenizer and the loaded weights depend on: a run started from another must share them
 _SAME_AS_INIT = {section: keys for section, keys in _FIXED_ON_RESUME.items() if section != "train"}
 _SAME_AS_INIT["tokenizer"] = tuple(k for k in _SAME_AS_INIT["tokenizer"] if k != "bpe_dropout")
+_SAME_AS_INIT["data"] = ("src_lang", "tgt_lang")  # a run started from another may validate elsewhere
 
 
 def init_source(cfg: Config) -> tuple[Path, Path] | None:
@@ -1827,8 +1838,6 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
                 raise
             finally:
                 stop.at_once = False
-            if resume and ranks.is_main:  # record --set changes, now that the checkpoint has been restored
-                ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
             try:
                 return trainer.fit(stop)
             finally:

@@ -106,6 +106,9 @@ def test_text_lines_keeps_inner_empty_lines_and_names_the_source() -> None:
     # line of invisible characters alone is empty (it was translated as a sentence)
     joined = "\ufeffa\n\ufeffb \u200bc\n\u200b\n \ufeff\u2060 \n\u200dd\u200d\n"
     assert text_lines(joined.encode(), "x", "the file") == ["a", "b \u200bc", "", "", "\u200dd\u200d"]
+    # stop 55: with whitespace between invisible characters too
+    spaced = "\u200b \u200b \u200b\n\u200b\u00a0\u200b\u00a0\u200b\n"
+    assert text_lines(spaced.encode(), "x", "the file") == ["", ""]
 
 
 def test_invisible_lines_are_empty_data_lines_and_references_not_in_nfc_warn(

@@ -321,7 +321,7 @@ def test_a_stop_between_log_lines_resumes_the_log_window_and_validates_its_last_
             os.kill(os.getpid(), signal.SIGTERM)  # the loop stops after this step, at step 7
         return real(self, group)
 
-    for name in ("split", "lowered"):
+    for name in ("split", "lowered", "budget"):
         with monkeypatch.context() as m:
             m.setattr(train_module.Trainer, "train_step", stop_in_step_7)
             assert main(mini_args(mini_data, tmp_path / name, *every, "--set", "train.max_steps=10")) == 128 + 15
@@ -343,6 +343,12 @@ def test_a_stop_between_log_lines_resumes_the_log_window_and_validates_its_last_
     # resumed again, it has nothing left to do, and validates nothing twice
     assert main(["train", "--run-dir", str(tmp_path / "lowered"), "--resume", "--set", "train.max_steps=7"]) == 0
     assert [e["step"] for e in records(tmp_path / "lowered") if e["event"] == "valid"] == [7]
+    # the same with a time budget already used: it validates step 7 and trains no step (stop 55: step
+    # 8 was trained, since the budget is checked after a step)
+    assert main(["train", "--run-dir", str(tmp_path / "budget"), "--resume", "--set", "train.max_minutes=1e-6"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 7
+    assert [e["step"] for e in records(tmp_path / "budget") if e["event"] == "valid"] == [7]
+    assert "done: reached train.max_minutes=1e-06, at step 7" in (tmp_path / "budget" / "train.log").read_text()
 
 
 def test_checkpoints_without_bpe_dropout_hold_no_segmentation(tiny_run: Path) -> None:
@@ -933,6 +939,23 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
             None,
         ),
         ("--resume cannot change train.optimizer", "'adam'", "'adamw'"),
+    ),
+    (
+        "resume changing the model shape, with lines logged while the data is read (stop 55: train.log)",
+        lambda t, d, r: (
+            ["train", "--run-dir", str(copy_run(r, t / "run")), "--resume", "--set", "model.d_ff=256"]
+            + ["--set", "data.max_len=8"],
+            None,
+        ),
+        ("--resume cannot change model.d_ff", "128", "256"),
+    ),
+    (
+        "resume changing the val sentences best.pt was chosen on (stop 55)",
+        lambda t, d, r: (
+            ["train", "--run-dir", str(copy_run(r, t / "run")), "--resume", "--set", "train.eval_sentences=2"],
+            None,
+        ),
+        ("--resume cannot change train.eval_sentences",),
     ),
     (
         "resume changing tokenizer.joint (stop 55: 'no tokenizer.de.json; is this an mtx run directory?')",

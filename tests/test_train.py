@@ -430,7 +430,8 @@ def assert_resume_trains_nothing(run: Path, limit: str) -> None:
     counted toward patience)."""
     files = sorted(p for p in run.rglob("*") if p.is_file() and p.name != "train.log")
     before = [p.read_bytes() for p in files]
-    assert main(["train", "--run-dir", str(run), "--resume"]) == 0
+    # a --set too: config.yaml records it only once it takes effect (stop 55: it was rewritten)
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "decode.beam=1"]) == 0
     assert [p.read_bytes() for p in files] == before
     assert sorted(p for p in run.rglob("*") if p.is_file() and p.name != "train.log") == files
     assert f"done: the run already reached {limit}" in (run / "train.log").read_text()
