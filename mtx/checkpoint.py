@@ -474,18 +474,22 @@ def _average_in_best(ckpts: Path) -> bool:
     if single.is_file() and single.samefile(best):
         single.unlink()
         return False
-    chosen = not _AVERAGE_KEYS.isdisjoint(_top_level(best))
+    top = _top_level(best)
+    if top is None:  # unreadable: the names decide, and a save replaces it (a torn best.pt stopped training)
+        return single.is_file()
+    chosen = not _AVERAGE_KEYS.isdisjoint(top)
     if not chosen:
         single.unlink(missing_ok=True)
     return chosen
 
 
-def _top_level(path: Path) -> dict[str, Any]:
-    """A checkpoint's top level, its tensors mapped rather than read (`load_checkpoint` where that fails)."""
+def _top_level(path: Path) -> dict[str, Any] | None:
+    """A checkpoint's top level, its tensors mapped rather than read; None where it cannot be read."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 (load_checkpoint names what is wrong with the file)
-        return load_checkpoint(path)
+        top = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 (truncated, bit-flipped or unreadable: no answer, not a stop)
+        return None
+    return top if isinstance(top, dict) else None
 
 
 # what an average's payload (`average_checkpoints`) and the moving average's (ema.pt) carry, and

@@ -126,6 +126,10 @@ def test_a_new_best_killed_mid_save_loses_no_chosen_average(tmp_path: Path) -> N
     os.link(ckpts / "best.pt", ckpts / f".best_average.pt.aside.tmp.{dead}")
     assert clean_stale_tmp(ckpts) == [ckpts / f".best_average.pt.aside.tmp.{dead}"]
     assert _read(ckpts / "best.pt") == average and _read(ckpts / "best_single.pt") == {"step": 80}
+    # a torn best.pt is replaced, not read: it stopped training at its next best (the review of stop 55)
+    (ckpts / "best_single.pt").unlink()
+    (ckpts / "best.pt").write_bytes(b"PK\x03\x04 torn")
+    assert save_new_best(tmp_path, {"step": 90}) is None and _read(ckpts / "best.pt") == {"step": 90}
 
 
 def test_a_failed_or_interrupted_choice_leaves_best_pt_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
