@@ -6,20 +6,19 @@ User mistakes end as one line `mtx: error: ...` on stderr and a non-zero exit co
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from mtx import __version__
 from mtx.config import MAX_LENGTH_PENALTY, QUANTIZATIONS, STOPS
-from mtx.errors import MtxError, os_error_line
+from mtx.errors import MtxError, named_os_errors, os_error_line
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -403,7 +402,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
                 stop=stop,
                 progress=bar.update,
             )
-            with _named_os_errors("standard output"):
+            with named_os_errors("standard output"):
                 for i, h in enumerate(hyps, before):
                     if args.nbest == 1:
                         out.write(run.tgt_tok.decode_batch([h[0].tokens])[0] + "\n")
@@ -412,20 +411,6 @@ def cmd_translate(args: argparse.Namespace) -> int:
                             out.write(f"{i} ||| {text} ||| {hyp.score:.4f}\n")
                 out.flush()
     return 0
-
-
-@contextlib.contextmanager
-def _named_os_errors(name: str) -> Iterator[None]:
-    """An error writing to an opened stream (a full disk: `No space left on device`) names the
-    stream or file, which the system's error does not."""
-    try:
-        yield
-    except BrokenPipeError:
-        raise
-    except OSError as e:
-        if e.filename is not None:
-            raise
-        raise OSError(e.errno, e.strerror or str(e), name) from None
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -638,11 +623,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             progress=bar.update,
         )
     if to_stdout or _is_stdout(output):  # opened again, it would be written from its start (stop 54)
-        with _named_os_errors("standard output"):
+        with named_os_errors("standard output"):
             sys.stdout.write("".join(t + "\n" for t in text))
             sys.stdout.flush()
     elif written_through(output):
-        with _named_os_errors(str(output)), open(output, "w", encoding="utf-8") as f:
+        with named_os_errors(str(output)), open(output, "w", encoding="utf-8") as f:
             f.write("".join(t + "\n" for t in text))
     else:
         atomic_write_text(output, "".join(t + "\n" for t in text))
@@ -670,7 +655,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if paired:
         result["paired"] = [r.as_dict() for r in paired]
     # the scores: an error here is standard output's (stop 54: a full disk was not named)
-    with _named_os_errors("standard output"):
+    with named_os_errors("standard output"):
         if args.json:
             print(json.dumps(result))
             return 0
@@ -752,7 +737,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from mtx.plot import compare_runs
 
     table = compare_runs(args.run)
-    with _named_os_errors("standard output"):
+    with named_os_errors("standard output"):
         print("\n".join(table))
     return 0
 
@@ -780,31 +765,26 @@ def _utf8_stdout() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    args = None
     try:
-        with _named_os_errors("standard output"):
-            try:
+        try:
+            with named_os_errors("standard output"):  # help or version text that cannot be written
                 args = parser.parse_args(argv)
-            except SystemExit as done:  # --help, --version (0); a usage error (2, on standard error)
-                if done.code == 0:  # the help text in the buffer, written now rather than at exit
+        except SystemExit as done:  # --help, --version (0); a usage error (2, on standard error)
+            if done.code == 0:  # the help text in the buffer, written now rather than at exit (stop 55)
+                with named_os_errors("standard output"):
                     sys.stdout.flush()
-                raise
-    except BrokenPipeError:
-        return 141
-    except OSError as e:
-        _error_line(os_error_line("mtx", e))
-        _release_stdout()
-        return 1
-    _setup_logging(args.verbose)
-    try:
+            raise
+        _setup_logging(args.verbose)
         if sys.stdout is None:  # (stop 54: translate's traceback after decoding; eval's scores lost)
             raise MtxError("standard output is closed; mtx writes its results there (redirect it to a file)")
         _utf8_stdout()
         code = COMMANDS[args.command](args)
-        with _named_os_errors("standard output"):  # what print() left in the buffer (eval's scores)
+        with named_os_errors("standard output"):  # what print() left in the buffer (eval's scores)
             sys.stdout.flush()
         return code
     except MtxError as e:
-        if args.verbose:
+        if args is not None and args.verbose:
             log.exception("the traceback, for -v")
         if e.report:
             _error_line(f"mtx: {e.prefix}{e}")
@@ -815,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 141
     except OSError as e:  # a path that cannot be created, read or written; a full disk
-        if args.verbose:
+        if args is not None and args.verbose:
             log.exception("the traceback, for -v")
         _error_line(os_error_line("mtx", e))
         return 1

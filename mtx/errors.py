@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class MtxError(Exception):
@@ -63,3 +64,17 @@ def run_script(prog: str, main: Callable[[], None]) -> None:
     except OSError as e:
         print(os_error_line(prog, e), file=sys.stderr)
         sys.exit(1)
+
+
+@contextlib.contextmanager
+def named_os_errors(name: str) -> Iterator[None]:
+    """An error writing to an opened stream (a full disk: `No space left on device`) names the
+    stream or file, which the system's error does not."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), name) from None

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mtx.errors import MtxError
+from mtx.errors import MtxError, named_os_errors
 
 X_AXES = ("step", "time")
 
@@ -137,11 +137,8 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     else:  # a device or pipe, which matplotlib's PNG writer cannot seek in: the image made first
         image = io.BytesIO()
         fig.savefig(image, dpi=100, format=image_type)
-        try:
-            with open(out, "wb") as f:
-                f.write(image.getvalue())
-        except OSError as e:  # (a full disk: the system's error names no file)
-            raise OSError(e.errno, e.strerror, str(out)) from None
+        with named_os_errors(str(out)), open(out, "wb") as f:  # (a full disk: the system's error names no file)
+            f.write(image.getvalue())
     plt.close(fig)
     return out
 
