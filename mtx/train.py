@@ -710,7 +710,9 @@ class Trainer:
         corpus: datasets.DatasetDict | None = None,
         ranks: Ranks | None = None,
         extra_texts: tuple[list[str], list[str]] | None = None,
+        last: dict[str, Any] | None = None,
     ) -> None:
+        """`last`: the run's last.pt where the caller has loaded it already (`prepare_run_dir`)."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.resumed = resume
@@ -827,7 +829,7 @@ class Trainer:
         # only rank 0 writes checkpoints, so only rank 0 keeps the average (every rank has the same weights)
         self.ema = MovingAverage(self.model, tc.ema) if tc.ema and ranks.is_main else None
         if resume:
-            self._restore()
+            self._restore(last)
         elif ranks.rank:
             torch.manual_seed(rank_seed(tc.seed, ranks.rank, 0))  # each rank its own dropout masks
 
@@ -961,10 +963,11 @@ class Trainer:
             log.info("train.amp auto: going on in %s, as the run was trained", saved if keep else "fp32")
             self.amp = keep
 
-    def _restore(self) -> None:
-        """Continue from last.pt: weights, optimizer, scaler, RNG states and data position."""
+    def _restore(self, ckpt: dict[str, Any] | None = None) -> None:
+        """Continue from last.pt (`ckpt`, where loaded already): weights, optimizer, scaler, RNG
+        states and data position."""
         path = ckpt_io.checkpoint_dir(self.run_dir) / "last.pt"
-        ckpt = ckpt_io.load_checkpoint(path)
+        ckpt = ckpt if ckpt is not None else ckpt_io.load_checkpoint(path)
         missing = [k for k in ("optimizer", "scaler", "rng", "state", "config") if k not in ckpt]
         if missing:
             raise CheckpointError(f"{path}: holds weights only (no {', '.join(missing)}); resuming needs a last.pt")
@@ -1618,38 +1621,40 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
         )
 
 
-def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
+def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> dict[str, Any] | None:
     """Check the run directory; for a new run, create it and write the resolved config (and, with
     `train.init_from`, copy the other run's tokenizer into it).
 
     On resume nothing is written here: `fit` records the config only once the checkpoint has
     been restored, so a failed resume changes nothing. The --set changes a resume refuses are
-    found here, before train.log is opened (stop 55: the data's log lines were written to it)."""
+    found here, before train.log is opened (stop 55: the data's log lines were written to it);
+    the last.pt read for them is returned, for the restore to use rather than read it again."""
     check_run_dir(run_dir, cfg, resume)
     if resume:
         path = ckpt_io.checkpoint_dir(run_dir) / "last.pt"
         last = ckpt_io.load_checkpoint(path)
         _check_unchanged(last.get("config", {}), cfg, path)
         _check_below_max_steps(last.get("state", {}).get("step", 0), cfg, path)
-    if not resume:
-        source = init_source(cfg)
-        if run_dir.is_dir() and unfinished_start(run_dir):
-            previous = (run_dir / ckpt_io.CONFIG_FILE).read_text(encoding="utf-8", errors="replace")
-            if previous != config_text(cfg):
-                note = "%s held a start that ended before its first checkpoint, with another config: starting anew"
-                log.warning(note, run_dir)
-            for path in ckpt_io.run_files(run_dir):  # what a start writes before its first save
-                path.unlink(missing_ok=True)
-            shutil.rmtree(ckpt_io.checkpoint_dir(run_dir), ignore_errors=True)  # no .pt: temporary files at most
-        run_dir.mkdir(parents=True, exist_ok=True)
-        paths = tokenizer_paths(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
-        for path in set(paths):
-            path.unlink(missing_ok=True)  # a failed start's tokenizer may be torn: train it again
-        if source is not None:  # the weights belong to the other run's pieces: its tokenizer, not a new one
-            originals = tokenizer_paths(source[0], cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
-            for original, path in set(zip(originals, paths, strict=True)):
-                ckpt_io.atomic_write_text(path, original.read_text(encoding="utf-8"))
-        ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
+        return last
+    source = init_source(cfg)
+    if run_dir.is_dir() and unfinished_start(run_dir):
+        previous = (run_dir / ckpt_io.CONFIG_FILE).read_text(encoding="utf-8", errors="replace")
+        if previous != config_text(cfg):
+            note = "%s held a start that ended before its first checkpoint, with another config: starting anew"
+            log.warning(note, run_dir)
+        for path in ckpt_io.run_files(run_dir):  # what a start writes before its first save
+            path.unlink(missing_ok=True)
+        shutil.rmtree(ckpt_io.checkpoint_dir(run_dir), ignore_errors=True)  # no .pt: temporary files at most
+    run_dir.mkdir(parents=True, exist_ok=True)
+    paths = tokenizer_paths(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
+    for path in set(paths):
+        path.unlink(missing_ok=True)  # a failed start's tokenizer may be torn: train it again
+    if source is not None:  # the weights belong to the other run's pieces: its tokenizer, not a new one
+        originals = tokenizer_paths(source[0], cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
+        for original, path in set(zip(originals, paths, strict=True)):
+            ckpt_io.atomic_write_text(path, original.read_text(encoding="utf-8"))
+    ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
+    return None
 
 
 def config_text(cfg: Config) -> str:
@@ -1812,6 +1817,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     mtx_log = logging.getLogger("mtx")
     level = mtx_log.level
     handler = None
+    last = None  # the run's last.pt on resume, read by rank 0 to check the --set changes
     # the stop signals are caught from here to the end, cleanup included: a stop during setup stops
     # at once (nothing to save yet), one during training at the next step, after saving last.pt
     with StopRequest(announce=ranks.is_main) as stop, ExitStack() as held:
@@ -1820,7 +1826,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
             if ranks.is_main:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 held.enter_context(ckpt_io.run_dir_lock(run_dir))  # until training ends, its cleanup included
-                prepare_run_dir(run_dir, cfg, resume)
+                last = prepare_run_dir(run_dir, cfg, resume)
                 handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8", delay=True)
                 handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
                 logging.getLogger().addHandler(handler)
@@ -1828,7 +1834,8 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
                 mtx_log.setLevel(logging.WARNING)  # rank 0 reports for the job
             try:
                 stop.at_once = True
-                trainer = Trainer(cfg, run_dir, resume, corpus, ranks, extra_texts)
+                trainer = Trainer(cfg, run_dir, resume, corpus, ranks, extra_texts, last)
+                del last  # the whole checkpoint, optimizer state included: not held while training
             except BaseException as e:  # a setup error (bad data for this config), or a stop: leave no half-made run
                 failed_start = new_dir and ranks.is_main
                 if isinstance(e, KeyboardInterrupt) and stop.signal is not None:

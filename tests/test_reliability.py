@@ -657,6 +657,16 @@ def _write(path: Path, text: str | bytes) -> Path:
 
 
 # (name, setup(tmp, small_data, tiny_run) -> (argv, stdin), needles in the error line)
+def _resumed_with(*settings: str) -> Callable[[Path, Path, Path], tuple[list[str], None]]:
+    """A bad-input case's setup: `--resume` of a copy of the tiny run with `--set` of each setting."""
+
+    def setup(tmp: Path, data: Path, run: Path) -> tuple[list[str], None]:
+        sets = [arg for setting in settings for arg in ("--set", setting)]
+        return ["train", "--run-dir", str(copy_run(run, tmp / "run")), "--resume", *sets], None
+
+    return setup
+
+
 BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes | None]], tuple[str, ...]]] = [
     (
         "malformed YAML",
@@ -926,43 +936,27 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
     ),
     (
         "resume changing the model shape",
-        lambda t, d, r: (
-            ["train", "--run-dir", str(copy_run(r, t / "run")), "--resume", "--set", "model.d_ff=256"],
-            None,
-        ),
+        _resumed_with("model.d_ff=256"),
         ("--resume cannot change model.d_ff", "128", "256"),
     ),
     (
         "resume changing the optimizer",
-        lambda t, d, r: (
-            ["train", "--run-dir", str(copy_run(r, t / "run")), "--resume", "--set", "train.optimizer=adamw"],
-            None,
-        ),
+        _resumed_with("train.optimizer=adamw"),
         ("--resume cannot change train.optimizer", "'adam'", "'adamw'"),
     ),
     (
         "resume changing the model shape, with lines logged while the data is read (stop 55: train.log)",
-        lambda t, d, r: (
-            ["train", "--run-dir", str(copy_run(r, t / "run")), "--resume", "--set", "model.d_ff=256"]
-            + ["--set", "data.max_len=8"],
-            None,
-        ),
+        _resumed_with("model.d_ff=256", "data.max_len=8"),
         ("--resume cannot change model.d_ff", "128", "256"),
     ),
     (
         "resume changing the val sentences best.pt was chosen on (stop 55)",
-        lambda t, d, r: (
-            ["train", "--run-dir", str(copy_run(r, t / "run")), "--resume", "--set", "train.eval_sentences=2"],
-            None,
-        ),
+        _resumed_with("train.eval_sentences=2"),
         ("--resume cannot change train.eval_sentences",),
     ),
     (
         "resume changing tokenizer.joint (stop 55: 'no tokenizer.de.json; is this an mtx run directory?')",
-        lambda t, d, r: (
-            ["train", "--run-dir", str(copy_run(r, t / "run")), "--resume", "--set", "tokenizer.joint=false"],
-            None,
-        ),
+        _resumed_with("tokenizer.joint=false"),
         ("--resume cannot change tokenizer.joint", "True", "False"),
     ),
 ]
