@@ -1443,26 +1443,7 @@ class Trainer:
                 st.window_steps += 1
                 bar.update(1)
                 if st.step % tc.log_every == 0 or st.step == tc.max_steps:
-                    seconds = st.window_seconds + time.perf_counter() - window_start
-                    record = {
-                        "event": "train",
-                        "step": st.step,
-                        "epoch": st.epoch,
-                        "loss": st.window_loss / st.window_steps,
-                        "lr": self.optimizer.param_groups[0]["lr"],
-                        "tgt_tok_per_s": st.window_tokens / seconds,
-                        "elapsed_s": st.elapsed,
-                        "skipped_steps": st.skipped_steps,
-                    }
-                    bar.set_postfix(
-                        loss=f"{record['loss']:.3f}",
-                        lr=f"{record['lr']:.2e}",
-                        tok_s=f"{record['tgt_tok_per_s']:.0f}",
-                    )
-                    if metrics is not None:
-                        metrics.write(json.dumps(record) + "\n")
-                        metrics.flush()
-                    st.window_steps, st.window_loss, st.window_tokens, st.window_seconds = 0, 0.0, 0, 0.0
+                    self._log_window(st.window_seconds + time.perf_counter() - window_start, bar, metrics)
                     window_start = time.perf_counter()
                 at_eval = st.step % tc.eval_every == 0 or st.step == tc.max_steps
                 if at_eval:
@@ -1479,6 +1460,8 @@ class Trainer:
                     stop_reason = f"used the time budget train.max_minutes={tc.max_minutes:g}"
                     break
             st.window_seconds += time.perf_counter() - window_start  # a later resume's first window
+            if st.window_steps:  # a stop between train records (max_minutes, max_epochs) logs its last steps
+                self._log_window(st.window_seconds, bar, metrics)
             if st.validated_step != st.step:  # stopped between validations
                 self._evaluate(metrics)
                 st.elapsed += time.perf_counter() - last_time
@@ -1496,6 +1479,26 @@ class Trainer:
             st.elapsed,
         )
         return st
+
+    def _log_window(self, seconds: float, bar: Any, metrics: Any) -> None:
+        """Write the train record of the steps since the last one (their `seconds` of training) to
+        train.log and the progress bar, and start a new window."""
+        st = self.state
+        record = {
+            "event": "train",
+            "step": st.step,
+            "epoch": st.epoch,
+            "loss": st.window_loss / st.window_steps,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "tgt_tok_per_s": st.window_tokens / seconds,
+            "elapsed_s": st.elapsed,
+            "skipped_steps": st.skipped_steps,
+        }
+        bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tgt_tok_per_s']:.0f}")
+        if metrics is not None:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+        st.window_steps, st.window_loss, st.window_tokens, st.window_seconds = 0, 0.0, 0, 0.0
 
     def _limit_reached(self) -> str | None:
         """The limit a resumed run had already reached (it trains no further), if any."""

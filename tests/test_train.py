@@ -412,7 +412,7 @@ def test_word_dropout_replaces_pieces_by_unk_and_keeps_special_ids() -> None:
 def test_time_budget_stops_early_then_validates_and_saves(tmp_path: Path, small_data: Path) -> None:
     run = tmp_path / "budget"
     extra = ("--set", "train.max_steps=100000", "--set", "train.eval_every=100000", "--set", "train.max_minutes=0.002")
-    assert main(tiny_args(small_data, run, *extra)) == 0
+    assert main(tiny_args(small_data, run, *extra, "--set", "train.log_every=1000")) == 0
     log_text = (run / "train.log").read_text()
     assert "used the time budget train.max_minutes=0.002" in log_text
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -421,6 +421,7 @@ def test_time_budget_stops_early_then_validates_and_saves(tmp_path: Path, small_
     assert (run / "checkpoints" / "best.pt").is_file()  # the final validation ran and kept a best model
     assert all(e["step"] <= step for e in events)
     assert [e["step"] for e in events if e["event"] == "valid"] == [step]  # the last step, recorded for mtx plot
+    assert [e["step"] for e in events if e["event"] == "train"][-1] == step  # its last steps' loss too (stop 56)
     assert_resume_trains_nothing(run, "train.max_minutes=0.002")
 
 
@@ -444,6 +445,8 @@ def test_max_epochs_stops_at_an_epoch_boundary(tmp_path: Path, mini_data: Path) 
     last = torch.load(run / "checkpoints" / "last.pt", weights_only=False)
     assert (last["state"]["epoch"], last["state"]["batch"]) == (1, 0) and 0 < last["step"] < 100
     assert "done: reached train.max_epochs=1" in (run / "train.log").read_text()
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "train"][-1] == last["step"]  # stop 56: was unlogged
     assert_resume_trains_nothing(run, "train.max_epochs=1")
 
 
