@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from mtx import __version__
-from mtx.config import MAX_LENGTH_PENALTY, QUANTIZATIONS, STOPS
+from mtx.config import AT_MOST, MAX_LENGTH_PENALTY, QUANTIZATIONS, STOPS, name_problem
 from mtx.errors import MtxError, named_os_errors, os_error_line
 
 if TYPE_CHECKING:
@@ -304,8 +304,8 @@ def _decode_settings(args: argparse.Namespace, cfg_decode: object) -> tuple[int,
     batch_tokens = args.batch_tokens if args.batch_tokens is not None else cfg_decode.batch_tokens  # type: ignore[attr-defined]
     workers = args.workers if args.workers is not None else cfg_decode.workers  # type: ignore[attr-defined]
     stop = args.stop or cfg_decode.stop  # type: ignore[attr-defined]
-    if beam < 1:
-        raise MtxError(f"--beam must be >= 1, got {beam}")
+    if not 1 <= beam <= AT_MOST["decode.beam"]:  # (stop 56: 1e10 was a traceback, 1e8 ran for minutes)
+        raise MtxError(f"--beam must be from 1 to {AT_MOST['decode.beam']:,}, got {beam}")
     if not (math.isfinite(alpha) and 0 <= alpha <= MAX_LENGTH_PENALTY):
         raise MtxError(f"--length-penalty must be a number from 0 to {MAX_LENGTH_PENALTY:g}, got {alpha}")
     if batch_tokens < 1:
@@ -558,6 +558,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.src is not None and (args.split is not None or args.data_dir is not None):
         raise MtxError("--src/--ref replace --split and --data-dir; give one or the other")
     args.split = args.split or "test_2016_flickr"
+    if name_problem(args.split):  # (stop 56: a path read files elsewhere and wrote its hypotheses there)
+        raise MtxError(
+            f"--split takes a split name such as val or test_2016_flickr, got {args.split!r}; for files use --src/--ref"
+        )
     if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
     cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)

@@ -207,6 +207,19 @@ _NON_NEGATIVE = {
     "decode.workers",
 }
 MAX_INT = 2**53  # integer keys: larger values overflow the floats they meet
+# sizes far beyond any model this tool trains, refused before a tokenizer or model is built: the
+# tokenizers library aborted the process at tokenizer.vocab_size 1e9 (a 70 GB allocation), and
+# model.d_ff 1e12 or a search at decode.beam 1e10 ended in a traceback (stop 56)
+AT_MOST = {
+    "tokenizer.vocab_size": 1_000_000,
+    "model.d_model": 65_536,
+    "model.d_ff": 1_048_576,
+    "model.n_heads": 1_024,
+    "model.n_encoder_layers": 1_000,
+    "model.n_decoder_layers": 1_000,
+    "model.max_positions": 1_000_000,
+    "decode.beam": 1_000,
+}
 # GNMT length penalties in use lie in 0.6-2; ((5 + |Y|) / 6) ** alpha overflows a float past about
 # 190 at Multi30k's lengths, so larger values are refused rather than crash a decode
 MAX_LENGTH_PENALTY = 10.0
@@ -365,6 +378,25 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     }
 
 
+def user_path(text: str, key: str) -> Path:
+    """`text` as a path, with a leading ~ or ~user expanded; a user that does not exist is an error
+    naming `key` (stop 56: `data.dir=~nouser/x` was a traceback from `Path.expanduser`)."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        user = text.split("/", 1)[0]
+        raise ConfigError(f"{key}: cannot expand {user} in {text!r} (no such user); give the path in full") from None
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot be a split or language name inside the data directory (a file name's
+    part, not a path: stop 56's `mtx eval --split /elsewhere/val` read files outside it and wrote
+    its hypotheses beside them), or None."""
+    if name in (".", "..") or any(c in name for c in "/\\\0"):
+        return f"must be a name within the data directory, not a path, got {name!r}"
+    return None
+
+
 def validate(cfg: Config, where: str = "config") -> None:
     """Range and consistency checks that types alone cannot express."""
     flat = {f"{s}.{k}": v for s, sec in to_dict(cfg).items() for k, v in sec.items()}
@@ -377,12 +409,19 @@ def validate(cfg: Config, where: str = "config") -> None:
     for key in _NON_NEGATIVE:
         if flat[key] < 0:
             raise ConfigError(f"{where}: {key} must be >= 0, got {flat[key]!r}")
+    for key, most in AT_MOST.items():
+        if flat[key] > most:
+            raise ConfigError(f"{where}: {key} must be at most {most:,}, got {flat[key]:,}")
     for key in _UNIT_INTERVAL:
         if not 0.0 <= flat[key] < 1.0:
             raise ConfigError(f"{where}: {key} must be in [0, 1), got {flat[key]!r}")
     for key in ("data.dir", "data.src_lang", "data.tgt_lang", "data.train_split", "data.valid_split"):
         if not str(flat[key]).strip():  # (stop 53: an empty data.dir read the current directory)
             raise ConfigError(f"{where}: {key} must not be empty")
+    for key in ("data.src_lang", "data.tgt_lang", "data.train_split", "data.valid_split"):
+        problem = name_problem(flat[key])
+        if problem:
+            raise ConfigError(f"{where}: {key} {problem}")
     if cfg.decode.length_penalty > MAX_LENGTH_PENALTY:
         raise ConfigError(
             f"{where}: decode.length_penalty must be at most {MAX_LENGTH_PENALTY:g}, got {cfg.decode.length_penalty}"
@@ -453,10 +492,13 @@ def validate(cfg: Config, where: str = "config") -> None:
         raise ConfigError(
             f"{where}: train.dropout_warmup needs train.compile: false (each new dropout rate recompiles the model)"
         )
-    if cfg.decode.max_len_a == 0 and cfg.decode.max_len_b < 2:
+    # the shortest source the searches see is one piece and EOS (empty lines skip them): a cap
+    # of 1 there leaves room for EOS only (an empty translation, and an n-best list of one)
+    if math.floor(2 * cfg.decode.max_len_a + cfg.decode.max_len_b + 1e-9) < 2:
         raise ConfigError(
-            f"{where}: decode.max_len_a 0 and decode.max_len_b {cfg.decode.max_len_b:g} leave room for EOS only, so "
-            "every translation would be empty; raise them (the shipped configs use 1.2 and 10)"
+            f"{where}: decode.max_len_a {cfg.decode.max_len_a:g} and decode.max_len_b {cfg.decode.max_len_b:g} "
+            "leave room for EOS only after a one-piece source (its cap is max_len_a * 2 + max_len_b, EOS counted), "
+            "so its translation would be empty; raise them (the shipped configs use 1.2 and 10)"
         )
     if cfg.data.max_len + 2 > m.max_positions:
         raise ConfigError(
@@ -469,17 +511,21 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. train.max_steps=200")
     key, _, value = text.partition("=")
+    if not key.strip():
+        raise ConfigError(f"--set {text!r}: no key before '='; expected KEY=VALUE, e.g. train.max_steps=200")
     try:
         parsed = yaml.safe_load(value) if value.strip() else value
     except yaml.YAMLError:
         parsed = value
+    except RecursionError:  # (stop 56: a value of 3,000 nested brackets was a 3,000-line traceback)
+        raise ConfigError(f"--set {key.strip()}: the value is nested too deeply") from None
     return key.strip(), parsed
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str = "--set") -> None:
     """Apply dotted `section.key=value` overrides to a raw nested dict, in place."""
     valid = set(_all_keys())
-    for text in overrides:
+    for text in overrides:  # a key given twice: the last wins, as for any repeated option
         key, value = parse_override(text)
         if key in _section_types():
             example = next(k for k in _all_keys() if k.startswith(f"{key}."))
@@ -546,13 +592,17 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
                 f"{path}: line {line} holds the control character {char!r}, which YAML does not allow "
                 "(pasted terminal colours?); remove it"
             ) from None
+        except RecursionError:  # (stop 56: a 2,990-line traceback)
+            raise ConfigError(f"{path}: malformed YAML: nested too deeply") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(e, "problem", None) or "invalid YAML"
             raise ConfigError(f"{path}: malformed YAML{at}: {problem}") from None
-        if raw is None:
-            raw = {}
+        if raw is None:  # (stop 56: an empty file trained the defaults: 10,000 steps of an 8k vocabulary)
+            raise ConfigError(
+                f"{path}: the config is empty; give at least one section (configs/tiny.yaml is a small example)"
+            )
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     if overrides:
@@ -575,4 +625,19 @@ def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Config
         raise CheckpointError(f"{run_dir}: run directory not found")
     if not path.is_file():
         raise CheckpointError(f"{run_dir}: no {CONFIG_FILE}; is this an mtx run directory?")
+    # mtx train writes every section: one missing means the file was cut or emptied, and the
+    # defaults in its place were blamed on the checkpoint (stop 56: "trained with model.d_model=64,
+    # the run's config has 256" for an emptied config.yaml). Keys may be missing: a run of an
+    # earlier mtx lacks the keys added since, which take their defaults
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
+        raw = {}  # load_config says what is wrong
+    if raw is None or isinstance(raw, dict):
+        missing = [name for name in _section_types() if not isinstance((raw or {}).get(name), dict)]
+        if missing:
+            raise CheckpointError(
+                f"{path}: no {', '.join(missing)} section{'s' if len(missing) > 1 else ''}; mtx train writes "
+                "the whole config, so the file was cut short or emptied: restore it from a copy"
+            )
     return load_config(path, overrides)

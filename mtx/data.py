@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import numpy as np
 import torch
 
-from mtx.config import DataConfig
+from mtx.config import DataConfig, user_path
 from mtx.errors import DataError
 from mtx.tokenizer import BOS, BPE, EOS, PAD
 
@@ -282,7 +282,7 @@ def resolve_data_dir(cfg: DataConfig) -> Path:
     all; else the files the cache lacks are downloaded into it (a cache that a failed or
     interrupted download left half-filled is completed, not taken as it is)."""
     if cfg.dir != "auto":
-        path = Path(cfg.dir).expanduser()
+        path = user_path(cfg.dir, "data.dir")
         if path.exists() and not path.is_dir():
             raise DataError(f"data.dir: {path} is a file, not a directory; set data.dir to a data dir")
         if not path.is_dir():
@@ -291,13 +291,13 @@ def resolve_data_dir(cfg: DataConfig) -> Path:
     needed = _needed(cfg)
     env = os.environ.get("MTX_DATA_DIR")
     if env:
-        lacking = _missing(Path(env).expanduser(), needed)
+        lacking = _missing(user_path(env, "$MTX_DATA_DIR"), needed)
         if lacking:
             raise DataError(
                 f"$MTX_DATA_DIR={env} lacks {_names(lacking)} (plain or .gz); point it at a directory that "
                 "holds them, or unset it"
             )
-        return Path(env).expanduser().resolve()
+        return user_path(env, "$MTX_DATA_DIR").resolve()
     for path in _SHARED_COPIES:
         if not _missing(path, needed):
             return path.resolve()

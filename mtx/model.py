@@ -464,6 +464,10 @@ class Seq2Seq(nn.Module):
         self.output_ids: torch.Tensor | None
         self.register_buffer("output_ids", None)  # None: not in the state dict
         self.eos_column = EOS
+        # PAD and BOS, the only ids below EOS, are the first logit columns where the softmax has
+        # them: never a target, but label smoothing gives them mass, so a search must rule them
+        # out (the text would drop them: an n-best list held the same text twice, stop 56)
+        self.unemitted_columns = EOS
         if output_ids is not None:  # sorted ids; column c of the logits is token output_ids[c]
             ids = torch.cat([output_ids.long().flatten().cpu(), torch.tensor([EOS, UNK])]).unique()
             if int(ids[0]) < 0 or int(ids[-1]) >= tgt_vocab_size:
@@ -623,6 +627,7 @@ class Seq2Seq(nn.Module):
         self._columns.fill_(int(torch.searchsorted(ids, torch.tensor(UNK, device=ids.device))))
         self._columns[ids] = torch.arange(len(ids), device=ids.device)
         self.eos_column = int(self._columns[EOS])
+        self.unemitted_columns = int((ids < EOS).sum())
 
     def output_columns(self, ids: torch.Tensor) -> torch.Tensor:
         """Target token ids -> their logit columns (ids outside `output_ids` -> UNK's column)."""
@@ -691,6 +696,7 @@ class Ensemble(nn.Module):
         # the tightest position limit of any member bounds the output length
         self.cfg = min((m.cfg for m in members), key=lambda c: c.max_positions)
         self.eos_column = first.eos_column
+        self.unemitted_columns = first.unemitted_columns
         self._widths = [m.cfg.d_model for m in members]
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:

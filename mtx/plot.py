@@ -132,14 +132,19 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     image_type = out.suffix[1:].lower() or "png"
-    if not written_through(out):
-        fig.savefig(out, dpi=100, format=image_type)
-    else:  # a device or pipe, which matplotlib's PNG writer cannot seek in: the image made first
-        image = io.BytesIO()
-        fig.savefig(image, dpi=100, format=image_type)
-        with named_os_errors(str(out)), open(out, "wb") as f:  # (a full disk: the system's error names no file)
-            f.write(image.getvalue())
-    plt.close(fig)
+    try:
+        if not written_through(out):
+            fig.savefig(out, dpi=100, format=image_type)
+        else:  # a device or pipe, which matplotlib's PNG writer cannot seek in: the image made first
+            image = io.BytesIO()
+            fig.savefig(image, dpi=100, format=image_type)
+            with named_os_errors(str(out)), open(out, "wb") as f:  # (a full disk: the system's error names no file)
+                f.write(image.getvalue())
+    except (RuntimeError, ValueError) as e:  # matplotlib's own (stop 56: .pgf without LaTeX was a traceback)
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        raise MtxError(f"--out {out}: matplotlib cannot write it: {lines[0]}") from None
+    finally:
+        plt.close(fig)
     return out
 
 

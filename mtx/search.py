@@ -57,14 +57,17 @@ def _next_log_probs(
     cache: KVCache | EnsembleCache | None,
 ) -> torch.Tensor:
     """(N, t) prefixes -> (N, V) float32 log-probabilities of the next token (V: the model's
-    output columns, `Seq2Seq.output_tokens`). With a cache only
-    the last token is fed; without one the whole prefix is recomputed."""
+    output columns, `Seq2Seq.output_tokens`), -inf for PAD and BOS (`unemitted_columns`). With a
+    cache only the last token is fed; without one the whole prefix is recomputed."""
     feed = tokens[:, -1:] if cache is not None else tokens
     logits = model.decode(feed, memory, src_mask, cache)[:, -1].float()  # (N, V)
     if logits.device.type != "cpu":
-        return torch.log_softmax(logits, dim=-1)
-    # on CPU in place: no second (N, V) buffer to write (beam 5 at d_model 256: 320 x 8,000 floats a step)
-    return torch.log_softmax(logits, dim=-1, out=logits)
+        log_probs = torch.log_softmax(logits, dim=-1)
+    else:  # in place: no second (N, V) buffer to write (beam 5 at d_model 256: 320 x 8,000 floats a step)
+        log_probs = torch.log_softmax(logits, dim=-1, out=logits)
+    if model.unemitted_columns:
+        log_probs[:, : model.unemitted_columns] = float("-inf")
+    return log_probs
 
 
 def top_candidates(

@@ -38,7 +38,7 @@ import yaml
 from torch.nn.parallel import DistributedDataParallel
 
 from mtx import checkpoint as ckpt_io
-from mtx.config import Config, TrainConfig, to_dict
+from mtx.config import Config, TrainConfig, to_dict, user_path
 from mtx.data import (
     Batch,
     ParallelIds,
@@ -802,7 +802,17 @@ class Trainer:
         self.data_dir = data_dir
 
         output_ids = self.train_ids.target_vocabulary() if cfg.model.restrict_output else None
-        self.model = ckpt_io.build_model(cfg, self.src_tok, self.tgt_tok, output_ids).to(self.device)
+        try:
+            self.model = ckpt_io.build_model(cfg, self.src_tok, self.tgt_tok, output_ids).to(self.device)
+        except RuntimeError as e:  # torch.OutOfMemoryError is one; so is the CPU allocator's failure
+            if not (isinstance(e, torch.OutOfMemoryError) or "allocate" in str(e)):
+                raise
+            m = cfg.model
+            raise MtxError(
+                f"the model does not fit in memory on {self.device} (model.d_model {m.d_model}, model.d_ff "
+                f"{m.d_ff}, model.max_positions {m.max_positions}, {self.tgt_tok.vocab_size} target pieces); "
+                "make it smaller"
+            ) from None
         if self.model.output_ids is not None and ranks.is_main:
             val_pieces = torch.tensor([i for s in self.valid_ids.tgt_ids for i in s], dtype=torch.long)
             outside = int((~torch.isin(val_pieces, self.model.output_ids.cpu())).sum())
@@ -1044,14 +1054,13 @@ class Trainer:
                 )
             st.epoch, st.batch = st.epoch + 1, 0
         self.saved_step = self.state.step
-        if self.ranks.is_main:
-            self._trim_metrics()
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)", path, self.state.step, self.state.epoch, self.state.batch
         )
 
     def _trim_metrics(self) -> None:
-        """Drop metrics logged after the restored step (they will be logged again) and torn lines."""
+        """Drop metrics logged after the restored step (they will be logged again), partial train
+        records (their window goes on, `_log_window`) and torn lines."""
         path = self.run_dir / "metrics.jsonl"
         if not path.is_file():
             return
@@ -1062,6 +1071,8 @@ class Trainer:
             except json.JSONDecodeError:
                 continue
             step = record.get("step", 0) if isinstance(record, dict) else None
+            if isinstance(record, dict) and record.get("partial") is True:
+                continue
             if isinstance(step, (int, float)) and not isinstance(step, bool) and step <= self.state.step:
                 kept.append(line + "\n")  # (a line without a numeric step goes, like a torn one)
         ckpt_io.atomic_write_text(path, "".join(kept))
@@ -1358,6 +1369,7 @@ class Trainer:
             if self.ranks.is_main:  # the --set changes, recorded once they take effect (stop 55: also where
                 # nothing was left to train, which changes no file but train.log)
                 ckpt_io.atomic_write_text(self.run_dir / ckpt_io.CONFIG_FILE, config_text(self.cfg))
+                self._trim_metrics()  # likewise (stop 56: it dropped the partial record of such a run)
         pad = padding_fraction(
             self.train_ids, plan_batches(self.train_ids.src_lens, self.train_ids.tgt_lens, tc.batch_tokens)
         )
@@ -1399,6 +1411,7 @@ class Trainer:
             file=UntilReaderGone(sys.stderr),
         )
         window_start = time.perf_counter()  # of this session's part of the log window (st.window_*)
+        self._logged_step = -1  # of this session's last train record (`_log_window`)
         last_time = time.perf_counter()
         stop_reason = f"reached train.max_steps={tc.max_steps}" if limit is None else f"reached {limit}"
         try:
@@ -1443,8 +1456,9 @@ class Trainer:
                 st.window_steps += 1
                 bar.update(1)
                 if st.step % tc.log_every == 0 or st.step == tc.max_steps:
-                    self._log_window(st.window_seconds + time.perf_counter() - window_start, bar, metrics)
-                    window_start = time.perf_counter()
+                    seconds = st.window_seconds + time.perf_counter() - window_start
+                    if self._log_window(seconds, bar, metrics, partial=st.step % tc.log_every != 0):
+                        window_start = time.perf_counter()
                 at_eval = st.step % tc.eval_every == 0 or st.step == tc.max_steps
                 if at_eval:
                     st.window_seconds += time.perf_counter() - window_start  # saved with last.pt
@@ -1460,8 +1474,8 @@ class Trainer:
                     stop_reason = f"used the time budget train.max_minutes={tc.max_minutes:g}"
                     break
             st.window_seconds += time.perf_counter() - window_start  # a later resume's first window
-            if st.window_steps:  # a stop between train records (max_minutes, max_epochs) logs its last steps
-                self._log_window(st.window_seconds, bar, metrics)
+            if st.window_steps and self._logged_step != st.step:  # a stop between train records logs its last steps
+                self._log_window(st.window_seconds, bar, metrics, partial=True)
             if st.validated_step != st.step:  # stopped between validations
                 self._evaluate(metrics)
                 st.elapsed += time.perf_counter() - last_time
@@ -1480,9 +1494,14 @@ class Trainer:
         )
         return st
 
-    def _log_window(self, seconds: float, bar: Any, metrics: Any) -> None:
+    def _log_window(self, seconds: float, bar: Any, metrics: Any, partial: bool = False) -> bool:
         """Write the train record of the steps since the last one (their `seconds` of training) to
-        train.log and the progress bar, and start a new window."""
+        metrics.jsonl and the progress bar; True where it starts a new window.
+
+        A `partial` record (a run's last steps, short of `train.log_every`) leaves its window open
+        in last.pt and is marked so: a resume drops it (`_trim_metrics`) and logs the whole
+        window where a straight run does, so that both logs are the same (stop 56: a resume of a
+        run stopped at step 20 with log_every 7 logged steps 20 and 21 for the straight run's 21)."""
         st = self.state
         record = {
             "event": "train",
@@ -1493,12 +1512,17 @@ class Trainer:
             "tgt_tok_per_s": st.window_tokens / seconds,
             "elapsed_s": st.elapsed,
             "skipped_steps": st.skipped_steps,
+            **({"partial": True} if partial else {}),
         }
         bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tgt_tok_per_s']:.0f}")
         if metrics is not None:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
+        self._logged_step = st.step  # (a partial record leaves the window open)
+        if partial:
+            return False
         st.window_steps, st.window_loss, st.window_tokens, st.window_seconds = 0, 0.0, 0, 0.0
+        return True
 
     def _limit_reached(self) -> str | None:
         """The limit a resumed run had already reached (it trains no further), if any."""
@@ -1762,7 +1786,7 @@ def init_source(cfg: Config) -> tuple[Path, Path] | None:
     against `cfg` without writing anything; None when it is not set."""
     if not cfg.train.init_from:
         return None
-    path = Path(cfg.train.init_from).expanduser()
+    path = user_path(cfg.train.init_from, "train.init_from")
     if path.is_dir():
         run_dir = path
         candidates = [ckpt_io.checkpoint_dir(path) / name for name in ("best.pt", "last.pt")]

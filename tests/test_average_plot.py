@@ -24,9 +24,11 @@ from mtx.checkpoint import (
     step_checkpoints,
 )
 from mtx.cli import main
+from mtx.config import load_config
 from mtx.errors import CheckpointError
+from mtx.train import config_text
 
-from .conftest import script_in_process
+from .conftest import TINY_CONFIG, script_in_process
 
 
 @pytest.fixture()
@@ -421,16 +423,17 @@ def test_compare_tells_apart_runs_of_one_name_and_says_when_their_val_data_diffe
     (tmp_path / "b").mkdir()
     first = fake_run(tmp_path / "a" / "base", 0.1, [3.0, 2.0])
     second = fake_run(tmp_path / "b" / "base", 0.1, [3.0, 2.0])
-    (first / "config.yaml").write_text("data:\n  src_lang: de\n  tgt_lang: en\n")
-    (second / "config.yaml").write_text("data:\n  src_lang: en\n  tgt_lang: de\n")
+    de_en = config_text(load_config(TINY_CONFIG))  # whole config.yaml files, as mtx train writes them
+    (first / "config.yaml").write_text(de_en)
+    (second / "config.yaml").write_text(config_text(load_config(TINY_CONFIG, ["data.src_lang=en", "data.tgt_lang=de"])))
     assert main(["compare", "--run", str(first), "--run", str(second)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == (
-        "note: the runs validate on different data (a/base: de->en, val (all sentences); b/base: en->de, val "
-        "(all sentences)): their scores do not compare"
+        "note: the runs validate on different data (a/base: de->en, val (100 sentences); b/base: en->de, val "
+        "(100 sentences)): their scores do not compare"
     )
     assert lines[2].split()[2:5] == ["a/base", "b/base", "(same"]
-    (second / "config.yaml").write_text("data:\n  src_lang: de\n  tgt_lang: en\n")
+    (second / "config.yaml").write_text(de_en)
     assert main(["compare", "--run", str(first), "--run", str(second)]) == 0
     assert not capsys.readouterr().out.splitlines()[1].startswith("note:")
 
@@ -455,3 +458,24 @@ def test_plot_writes_the_type_out_names_and_says_where(tmp_path: Path, capsys: p
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--out" in err and "cannot write .txt files" in err and ".svg" in err
     assert not (tmp_path / "curves.txt").exists()
+
+
+def test_a_type_matplotlib_fails_to_write_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop 56: `--out curves.pgf` without LaTeX installed ended in matplotlib's 85-line traceback
+    (pgf is among the types matplotlib lists; its writer runs xelatex). Here the writer fails as
+    it does there, whatever this machine has installed; an earlier file of that name stays."""
+    from matplotlib.figure import Figure
+
+    def no_latex(self: Figure, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("'xelatex' not found.  Install it or change rcParams['pgf.texsystem'] to an available TeX")
+
+    monkeypatch.setattr(Figure, "savefig", no_latex)
+    run = fake_run(tmp_path / "a", 0.1, [3.0, 2.0])
+    earlier = tmp_path / "curves.pgf"
+    earlier.write_text("kept")
+    assert main(["plot", "--run", str(run), "--out", str(earlier)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "curves.pgf: matplotlib cannot write it: 'xelatex' not found" in err, err
+    assert earlier.read_text() == "kept"

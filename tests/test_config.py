@@ -137,7 +137,8 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("- a\n- b\n", "top level must be a mapping"),
         ("train:\n  max_steps: [1\n", "malformed YAML at line"),
         ("train:\n  adam_eps: 0\n", r"train.adam_eps must be > 0"),  # Adam's 0/0 on a zero gradient
-        ("decode:\n  max_len_a: 0\n  max_len_b: 1\n", "leave room for EOS only, so every translation would be empty"),
+        ("decode:\n  max_len_a: 0\n  max_len_b: 1\n", "leave room for EOS only after a one-piece source"),
+        ("decode:\n  max_len_a: 0.5\n  max_len_b: 0\n", "decode.max_len_a 0.5 and decode.max_len_b 0 leave room"),
         ("data:\n  src_lang: no\n", r'data.src_lang must be a string, got False; .* quote it \(e.g. src_lang: "no"\)'),
         # stop 54: a string key took YAML's reading of unquoted text (data.dir 010 named directory 8)
         ("data:\n  dir: 010\n", r"data.dir must be a string, got 8: YAML reads some unquoted text as a number"),

@@ -142,6 +142,36 @@ def test_resume_is_bit_identical_across_epoch_boundaries(tmp_path: Path, mini_da
     ]
 
 
+def test_a_run_ending_between_log_lines_resumes_to_the_straight_runs_log(tmp_path: Path, mini_data: Path) -> None:
+    """stop 56: a run ending at a step short of train.log_every logged its last steps and closed
+    the window, so its resume logged the rest of that window alone (steps 7 and 8 where a straight
+    run logs 8). The last steps are logged as a partial record that a resume replaces."""
+    every = ("--set", "train.log_every=4", "--set", "train.eval_every=7")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert main(mini_args(mini_data, straight, *every, "--set", "train.max_steps=14")) == 0
+    assert main(mini_args(mini_data, split, *every, "--set", "train.max_steps=7")) == 0
+    timed = ("tgt_tok_per_s", "elapsed_s")
+
+    def records(run: Path) -> list[dict]:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k not in timed} for line in lines]
+
+    first = records(split)
+    assert [(e["event"], e["step"], e.get("partial")) for e in first] == [
+        ("train", 4, None),
+        ("train", 7, True),  # steps 5-7, the last of the run
+        ("valid", 7, None),
+    ]
+    assert main(["train", "--run-dir", str(split), "--resume", "--set", "train.max_steps=14"]) == 0
+    assert records(split) == records(straight)  # steps 5-8 in one record, then 9-12, then 13-14 partial
+    assert [(e["step"], e.get("partial")) for e in records(split) if e["event"] == "train"] == [
+        (4, None),
+        (8, None),
+        (12, None),
+        (14, True),
+    ]
+
+
 def test_bpe_dropout_resegments_each_epoch_and_a_resumed_epoch_keeps_its_own(tmp_path: Path, mini_data: Path) -> None:
     run = tmp_path / "run"
     drop = ("--set", "tokenizer.bpe_dropout=0.1", "--set", "train.eval_every=12")
@@ -790,7 +820,7 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
     (
         "translate --beam 0",
         lambda t, d, r: (["translate", "--run", str(r), "--beam", "0", "x"], None),
-        ("--beam must be >= 1",),
+        ("--beam must be from 1 to 1,000, got 0",),
     ),
     (
         "translate --length-penalty nan",
@@ -959,7 +989,59 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         _resumed_with("tokenizer.joint=false"),
         ("--resume cannot change tokenizer.joint", "True", "False"),
     ),
+    # stop 56, found by fuzzing: each of these was a traceback, a wrong blame or a silent default
+    (
+        "a ~user that does not exist in data.dir (stop 56: Path.expanduser's traceback)",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "data.dir=~no_such_user_mtx/x"), None),
+        ("data.dir: cannot expand ~no_such_user_mtx", "no such user"),
+    ),
+    (
+        "a vocabulary size the tokenizers library aborts the process for (stop 56: exit 134)",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "tokenizer.vocab_size=1000000000"), None),
+        ("tokenizer.vocab_size must be at most 1,000,000, got 1,000,000,000",),
+    ),
+    (
+        "a model that cannot be allocated (stop 56: the allocator's traceback after the tokenizer)",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "model.d_model=65536", "--set", "model.d_ff=1048576"), None),
+        ("the model does not fit in memory on cpu", "model.d_ff 1048576", "make it smaller"),
+    ),
+    (
+        "YAML nested thousands deep (stop 56: a 2,990-line RecursionError)",
+        lambda t, d, r: (["train", "--config", str(_write(t / "c.yaml", "train: " + "[" * 5000 + "]" * 5000))], None),
+        ("c.yaml: malformed YAML: nested too deeply",),
+    ),
+    (
+        "an empty config file (stop 56: trained the defaults, 10,000 steps)",
+        lambda t, d, r: (["train", "--config", str(_write(t / "c.yaml", "# nothing yet\n"))], None),
+        ("c.yaml: the config is empty",),
+    ),
+    (
+        "--set without a key (stop 56: 'unknown key ' and nothing after it)",
+        lambda t, d, r: (tiny_args(d, t / "r", "--set", "=5"), None),
+        ("--set '=5': no key before '='",),
+    ),
+    (
+        "an emptied config.yaml of a run (stop 56: blamed the checkpoint for d_model 64 against 256)",
+        lambda t, d, r: (["translate", "--run", str(_emptied_config(r, t)), "Hallo"], None),
+        ("config.yaml: no data, tokenizer, model, train, decode sections", "restore it from a copy"),
+    ),
+    (
+        "eval --split given a path (stop 56: read files elsewhere and wrote its hypotheses beside them)",
+        lambda t, d, r: (["eval", "--run", str(r), "--split", str(d / "val")], None),
+        ("--split takes a split name", "for files use --src/--ref"),
+    ),
+    (
+        "a beam too wide to allocate (stop 56: 1e10 was a traceback, 1e8 ran for minutes)",
+        lambda t, d, r: (["translate", "--run", str(r), "--beam", "10000000000", "Hallo"], None),
+        ("--beam must be from 1 to 1,000, got 10000000000",),
+    ),
 ]
+
+
+def _emptied_config(run: Path, tmp: Path) -> Path:
+    copy = copy_run(run, tmp / "run")
+    (copy / "config.yaml").write_text("")
+    return copy
 
 
 def _drop_last(path: Path) -> None:

@@ -15,7 +15,7 @@ from mtx.config import ModelConfig
 from mtx.data import pad_ids, read_lines
 from mtx.model import Ensemble, Seq2Seq, make_src_mask
 from mtx.search import beam_search, greedy_search, length_penalty, top_candidates, translate_ids
-from mtx.tokenizer import BOS, EOS
+from mtx.tokenizer import BOS, EOS, PAD
 
 
 @pytest.fixture(scope="module", params=["whole vocabulary", "restricted output", "ensemble"])
@@ -118,7 +118,8 @@ def test_an_exhaustive_beam_returns_the_best_sequences_found_by_enumeration(kind
     model = Ensemble(members) if kind == "ensemble" else members[0]
     src = _batch([[4, 5, 6], [5, 4], [6]])
     columns = 8 if restricted else 7
-    cap, beam = 4, columns * (columns - 1) ** 2  # all candidates of the widest step in the top `beam`
+    emitted = columns - model.unemitted_columns  # the whole vocabulary's PAD and BOS never are (stop 56)
+    cap, beam = 4, emitted * (emitted - 1) ** 2  # all candidates of the widest step in the top `beam`
     found = beam_search(model, src, beam, alpha, 0.0, cap, nbest=10)
     tokens = members[0].output_tokens(torch.arange(columns)).tolist()
     with torch.no_grad():
@@ -139,6 +140,8 @@ def test_an_exhaustive_beam_returns_the_best_sequences_found_by_enumeration(kind
                 grown = []
                 for (prefix, total), row in zip(prefixes, lp.tolist(), strict=True):
                     for column, token in enumerate(tokens):
+                        if token in (PAD, BOS):  # never emitted (stop 56)
+                            continue
                         if token == EOS:
                             scored.append(((total + row[column]) / length_penalty(length, alpha), prefix))
                         elif length < cap:
@@ -277,6 +280,31 @@ def test_nbest_sorted_and_first_is_one_best(run: LoadedRun, src_ids: list[list[i
             assert len({tuple(h.tokens) for h in hyps}) == 4
         for h in hyps:  # score is the length-normalised log-probability
             assert h.score == pytest.approx(h.log_prob / length_penalty(len(h.tokens) + 1, 1.0), abs=1e-5)
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_searches_never_emit_pad_or_bos(beam: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Label smoothing gives PAD and BOS probability, so an undertrained model may rank them
+    first; their text is empty, so a translation lost a word to each and an n-best list could
+    hold one text twice (stop 56). Here they get the top logits at every step: both searches,
+    cached and not, must pass them over."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0)
+    model = Seq2Seq(cfg, 12, 12, True).eval()
+    decode = model.decode
+
+    def preferring_specials(*args: object, **kwargs: object) -> torch.Tensor:
+        logits = decode(*args, **kwargs)  # type: ignore[arg-type]
+        logits[..., PAD] += 50.0
+        logits[..., BOS] += 40.0
+        return logits
+
+    monkeypatch.setattr(model, "decode", preferring_specials)
+    for use_cache in (True, False):
+        found = translate_ids(model, [[4, 5, 6], [7], [8, 9]], beam, 1.0, 0.0, 6, 1000, nbest=beam, use_cache=use_cache)
+        for hyps in found:
+            assert all(PAD not in h.tokens and BOS not in h.tokens for h in hyps)
+            assert len({tuple(h.tokens) for h in hyps}) == beam and all(math.isfinite(h.score) for h in hyps)
 
 
 def _count_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
