@@ -297,15 +297,21 @@ def check_direction(ckpt: dict[str, Any], path: Path, cfg: Config) -> None:
         )
 
 
+def default_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint a run decodes or starts from by default: best.pt, else last.pt; None where
+    neither is there. Whatever best.pt is, it is the one taken: a best.pt that is a directory or a
+    dangling link is an error when loaded, not a silent fall back to last.pt (stop 56)."""
+    ckpts = checkpoint_dir(run_dir)
+    return next((p for p in (ckpts / "best.pt", ckpts / "last.pt") if p.exists() or p.is_symlink()), None)
+
+
 def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.device | None = None) -> LoadedRun:
     """Model and tokenizers of a run, from `checkpoints` or best.pt (else last.pt); two or more
     checkpoints (of this run's vocabulary) decode as one `Ensemble`."""
     cfg = load_run_config(run_dir)
     src_tok, tgt_tok = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
     if not checkpoints:
-        ckpts = checkpoint_dir(run_dir)
-        candidates = [ckpts / "best.pt", ckpts / "last.pt"]
-        default = next((p for p in candidates if p.is_file()), None)
+        default = default_checkpoint(run_dir)
         if default is None:
             raise CheckpointError(
                 f"{run_dir}: no checkpoints yet; train it first: "

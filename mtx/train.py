@@ -1789,8 +1789,7 @@ def init_source(cfg: Config) -> tuple[Path, Path] | None:
     path = user_path(cfg.train.init_from, "train.init_from")
     if path.is_dir():
         run_dir = path
-        candidates = [ckpt_io.checkpoint_dir(path) / name for name in ("best.pt", "last.pt")]
-        checkpoint = next((c for c in candidates if c.is_file()), None)
+        checkpoint = ckpt_io.default_checkpoint(path)
         if checkpoint is None:
             raise MtxError(f"train.init_from: {path} holds no checkpoints/best.pt or last.pt; train it first")
     elif path.is_file() and path.parent == ckpt_io.checkpoint_dir(path.parent.parent):

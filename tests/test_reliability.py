@@ -1031,11 +1031,22 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ("--split takes a split name", "for files use --src/--ref"),
     ),
     (
+        "best.pt a directory (stop 56: translate took last.pt without a word)",
+        lambda t, d, r: (["translate", "--run", str(_best_a_directory(r, t)), "Hallo"], None),
+        ("best.pt: a directory, not a checkpoint file",),
+    ),
+    (
         "a beam too wide to allocate (stop 56: 1e10 was a traceback, 1e8 ran for minutes)",
         lambda t, d, r: (["translate", "--run", str(r), "--beam", "10000000000", "Hallo"], None),
         ("--beam must be from 1 to 1,000, got 10000000000",),
     ),
 ]
+
+
+def _best_a_directory(run: Path, tmp: Path) -> Path:
+    copy = copy_run(run, tmp / "run")
+    (copy / "checkpoints" / "best.pt").mkdir()
+    return copy
 
 
 def _emptied_config(run: Path, tmp: Path) -> Path:
