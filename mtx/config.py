@@ -570,8 +570,12 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[An
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config (or defaults when path is None) and apply --set overrides."""
+def load_config(path: str | Path | None, overrides: list[str] | None = None, whole: bool = False) -> Config:
+    """Read a YAML config (or defaults when path is None) and apply --set overrides. `whole`: a run's
+    config.yaml, which mtx train writes with every section: one missing means the file was cut
+    or emptied, and the defaults in its place were blamed on the checkpoint (stop 56: "trained
+    with model.d_model=64, the run's config has 256" for an emptied config.yaml). Keys may be
+    missing: a run of an earlier mtx lacks the keys added since, which take their defaults."""
     raw: Any = {}
     where = "config"
     if path is not None:
@@ -599,12 +603,19 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(e, "problem", None) or "invalid YAML"
             raise ConfigError(f"{path}: malformed YAML{at}: {problem}") from None
-        if raw is None:  # (stop 56: an empty file trained the defaults: 10,000 steps of an 8k vocabulary)
+        if raw is None and not whole:  # (stop 56: an empty file trained the defaults: 10,000 steps)
             raise ConfigError(
                 f"{path}: the config is empty; give at least one section (configs/tiny.yaml is a small example)"
             )
+        raw = {} if raw is None else raw
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        missing = [name for name in _section_types() if whole and not isinstance(raw.get(name), dict)]
+        if missing:
+            raise CheckpointError(
+                f"{path}: no {', '.join(missing)} section{'s' if len(missing) > 1 else ''}; mtx train writes "
+                "the whole config, so the file was cut short or emptied: restore it from a copy"
+            )
     if overrides:
         apply_overrides(raw, overrides)
         where = f"{where} (with --set)"
@@ -625,19 +636,4 @@ def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Config
         raise CheckpointError(f"{run_dir}: run directory not found")
     if not path.is_file():
         raise CheckpointError(f"{run_dir}: no {CONFIG_FILE}; is this an mtx run directory?")
-    # mtx train writes every section: one missing means the file was cut or emptied, and the
-    # defaults in its place were blamed on the checkpoint (stop 56: "trained with model.d_model=64,
-    # the run's config has 256" for an emptied config.yaml). Keys may be missing: a run of an
-    # earlier mtx lacks the keys added since, which take their defaults
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
-        raw = {}  # load_config says what is wrong
-    if raw is None or isinstance(raw, dict):
-        missing = [name for name in _section_types() if not isinstance((raw or {}).get(name), dict)]
-        if missing:
-            raise CheckpointError(
-                f"{path}: no {', '.join(missing)} section{'s' if len(missing) > 1 else ''}; mtx train writes "
-                "the whole config, so the file was cut short or emptied: restore it from a copy"
-            )
-    return load_config(path, overrides)
+    return load_config(path, overrides, whole=True)
