@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,14 +24,20 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode.py"
 TRAIN_SCRIPT = SCRIPT.with_name("bench_train.py")
 
 
-def _bench(run: Path, *extra: str) -> tuple[list[str], dict]:
-    args = [sys.executable, str(SCRIPT), "--run", str(run), "--sentences", "24", "--batch-sentences", "8", *extra]
-    lines = subprocess.run(args, capture_output=True, text=True, check=True).stdout.splitlines()
+def _bench(
+    run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *extra: str
+) -> tuple[list[str], dict]:
+    args = ["--run", str(run), "--sentences", "24", "--batch-sentences", "8", *extra]
+    code, out, err = script_in_process(SCRIPT, args, monkeypatch, capsys)
+    assert code == 0, err
+    lines = out.splitlines()
     return lines, json.loads(lines[-1])
 
 
-def test_bench_decode_times_the_whole_vocabulary_beside_a_restricted_softmax(tiny_restricted_run: Path) -> None:
-    lines, result = _bench(tiny_restricted_run)
+def test_bench_decode_times_the_whole_vocabulary_beside_a_restricted_softmax(
+    tiny_restricted_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines, result = _bench(tiny_restricted_run, monkeypatch, capsys)
     assert result["cached_equals_uncached"] == {"greedy": True, "beam5": True}
     assert result["greedy_tok_per_s"] > 0 and result["beam5_tok_per_s"] > 0
     assert set(result["restricted_output_speedup"]) == {"greedy", "beam5"}
@@ -48,8 +52,10 @@ def test_bench_decode_times_the_whole_vocabulary_beside_a_restricted_softmax(tin
     assert any(line.startswith("beam 5, stop finished") for line in lines)
 
 
-def test_bench_decode_adds_no_whole_vocabulary_rows_to_a_whole_vocabulary_run(tiny_run: Path) -> None:
-    lines, result = _bench(tiny_run, "--rounds", "2", "--turn-batches", "1")
+def test_bench_decode_adds_no_whole_vocabulary_rows_to_a_whole_vocabulary_run(
+    tiny_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines, result = _bench(tiny_run, monkeypatch, capsys, "--rounds", "2", "--turn-batches", "1")
     assert result["cached_equals_uncached"] == {"greedy": True, "beam5": True}
     assert len(result["beam5_slowdown_vs_greedy_per_round"]) == 2
     assert "2 pass(es)" in lines[0] and "turns of" in lines[0]
@@ -64,23 +70,28 @@ def test_bench_decode_adds_no_whole_vocabulary_rows_to_a_whole_vocabulary_run(ti
         assert result["bf16"] is None and not any("bf16" in line for line in lines[:-1])
 
 
-def test_bench_decode_in_bf16_times_every_row_in_bf16(tiny_restricted_run: Path) -> None:
+def test_bench_decode_in_bf16_times_every_row_in_bf16(
+    tiny_restricted_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        result = subprocess.run([sys.executable, str(SCRIPT), "--precision", "bf16"], capture_output=True, text=True)
-        assert result.returncode != 0 and "needs a CPU with native bf16" in result.stderr
+        code, _, err = script_in_process(SCRIPT, ["--precision", "bf16"], monkeypatch, capsys)
+        assert code != 0 and "needs a CPU with native bf16" in err
         return
-    lines, result = _bench(tiny_restricted_run, "--precision", "bf16")
+    lines, result = _bench(tiny_restricted_run, monkeypatch, capsys, "--precision", "bf16")
     assert result["precision"] == "bf16" and "bf16 weights" in lines[0]
     assert result["bf16"] is None and not any(line.startswith("greedy, bf16") for line in lines)  # no mixed rows
     assert result["greedy_tok_per_s"] > 0 and result["beam5_tok_per_s"] > 0
     assert all(ratio > 0 for ratio in result["restricted_output_speedup"].values())  # the whole vocabulary in bf16
 
 
-def test_bench_train_bounds_the_speedup_by_the_matrix_products(small_data: Path) -> None:
+def test_bench_train_bounds_the_speedup_by_the_matrix_products(
+    small_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The time of mtx's matrix products alone is part of its step, so the bound it gives on the
     speed-up over the reference is no lower than the speed-up measured (tiny config, 2 steps)."""
-    args = [sys.executable, str(TRAIN_SCRIPT), "--config", str(TINY_CONFIG), "--set", f"data.dir={small_data}"]
-    out = subprocess.run([*args, "--steps", "2", "--warmup", "1"], capture_output=True, text=True, check=True).stdout
+    args = ["--config", str(TINY_CONFIG), "--set", f"data.dir={small_data}", "--steps", "2", "--warmup", "1"]
+    code, out, err = script_in_process(TRAIN_SCRIPT, args, monkeypatch, capsys)
+    assert code == 0, err
     result = json.loads(out.splitlines()[-1])
     assert 0.0 < result["mtx_gemm_fraction"] < 1.0
     measured = result["mtx_fp32_tgt_tok_per_s"] / result["reference_tgt_tok_per_s"]
@@ -96,12 +107,15 @@ def test_bench_train_bounds_the_speedup_by_the_matrix_products(small_data: Path)
     assert (result["cpu_bf16_speedup"] > 0.0) == native_bf16
 
 
-def test_bench_gpu_decodes_the_same_outputs_in_every_fp32_row(tiny_run: Path) -> None:
+def test_bench_gpu_decodes_the_same_outputs_in_every_fp32_row(
+    tiny_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """scripts/bench_gpu.py (run with --device cpu here): 12 rows, and in fp32 the batch size and
     the cache change no output."""
     script = SCRIPT.with_name("bench_gpu.py")
-    args = [sys.executable, str(script), "--run", str(tiny_run), "--device", "cpu", "--sentences", "6"]
-    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    args = ["--run", str(tiny_run), "--device", "cpu", "--sentences", "6"]
+    code, out, err = script_in_process(script, args, monkeypatch, capsys)
+    assert code == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["dtype"], r["beam"], r["cache"], r["batch_tokens"]) for r in rows[:3]] == [
         ("float32", 1, True, 4000),
@@ -112,14 +126,16 @@ def test_bench_gpu_decodes_the_same_outputs_in_every_fp32_row(tiny_run: Path) ->
     assert [r["same_as_first"] for r in rows if r["dtype"] == "float32"] == [None, 6, 6] * 2
 
 
-def test_bench_ctranslate2_converts_through_mtx_export(tiny_run: Path) -> None:
+def test_bench_ctranslate2_converts_through_mtx_export(
+    tiny_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """scripts/bench_ctranslate2.py: its CTranslate2 model is `mtx export`'s, and greedy decodes as mtx does."""
     pytest.importorskip("ctranslate2", reason="no CTranslate2 on this platform (the optional extra mtx[export])")
     script = SCRIPT.with_name("bench_ctranslate2.py")
-    args = [sys.executable, str(script), "--run", str(tiny_run), "--sentences", "16", "--rounds", "1", "--beam", "2"]
-    result = json.loads(
-        subprocess.run([*args, "--threads", "1"], capture_output=True, text=True, check=True).stdout.splitlines()[-1]
-    )
+    args = ["--run", str(tiny_run), "--sentences", "16", "--rounds", "1", "--beam", "2", "--threads", "1"]
+    code, out, err = script_in_process(script, args, monkeypatch, capsys)
+    assert code == 0, err
+    result = json.loads(out.splitlines()[-1])
     # the tiny model's outputs often run to the length cap, which CTranslate2 applies per batch
     assert result["greedy_agreement_ended"] >= 0.9 and result["ct2_greedy_tok_per_s"] > 0, result
     # no more threads for CTranslate2 than --threads (stop 53: 2 workers of 1 thread against mtx's 1)

@@ -26,7 +26,7 @@ import torch
 from mtx.cli import _hypotheses_name, _source_tag, _utf8_stdout, build_parser, int_in, main, usable_cpus
 from mtx.config import load_config
 
-from .conftest import REPO, FakeMulti30k, tiny_args
+from .conftest import REPO, FakeMulti30k, main_in_process, tiny_args
 
 
 def _child_env() -> dict[str, str]:
@@ -39,6 +39,13 @@ def mtx(*args: str, stdin: bytes | None = None, cwd: Path = REPO) -> subprocess.
     )
 
 
+def mtx_here(
+    monkeypatch: pytest.MonkeyPatch, *args: str, stdin: bytes | None = None
+) -> subprocess.CompletedProcess[bytes]:
+    """`mtx()` through the same entry point in this process: a process spends 2-3 s importing torch."""
+    return main_in_process(list(args), stdin, monkeypatch)
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess[bytes], *needles: str) -> None:
     err = result.stderr.decode()
     assert result.returncode != 0, err
@@ -49,7 +56,9 @@ def assert_one_line_error(result: subprocess.CompletedProcess[bytes], *needles: 
         assert needle in lines[0], err
 
 
-def test_train_translate_eval_round_trip(tmp_path: Path, small_data: Path) -> None:
+def test_train_translate_eval_round_trip(tmp_path: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training and a first translation as a user's processes; the other commands on the run
+    through the same entry point in this process (a process spends 2-3 s importing torch)."""
     run_dir = tmp_path / "run"
     r = mtx(*tiny_args(small_data, run_dir, "--set", "train.max_steps=30", "--set", "train.eval_every=15"))
     assert r.returncode == 0, r.stderr.decode()
@@ -67,28 +76,28 @@ def test_train_translate_eval_round_trip(tmp_path: Path, small_data: Path) -> No
     assert r.returncode == 0, r.stderr.decode()
     assert len(r.stdout.decode().splitlines()) == 2
 
-    r = mtx("translate", "--run", str(run_dir), "--beam", "1", stdin=b"Ein Hund.\n\nEine Frau.\n")
+    r = mtx_here(monkeypatch, "translate", "--run", str(run_dir), "--beam", "1", stdin=b"Ein Hund.\n\nEine Frau.\n")
     out = r.stdout.decode().split("\n")
     assert r.returncode == 0 and len(out) == 4 and out[1] == "" and out[0] and out[2]
 
-    r = mtx("translate", "--run", str(run_dir), "--beam", "3", "--nbest", "2", "Ein Hund.")
+    r = mtx_here(monkeypatch, "translate", "--run", str(run_dir), "--beam", "3", "--nbest", "2", "Ein Hund.")
     lines = r.stdout.decode().splitlines()
     assert r.returncode == 0 and len(lines) == 2 and all(line.startswith("0 ||| ") for line in lines)
 
-    r = mtx("eval", "--run", str(run_dir), "--beam", "2", "--lowercase")
+    r = mtx_here(monkeypatch, "eval", "--run", str(run_dir), "--beam", "2", "--lowercase")
     text = r.stdout.decode()
     assert r.returncode == 0, r.stderr.decode()
     assert "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp" in text and "case:lc" in text and "chrF" in text
     hyp_file = run_dir / "eval" / "test_2016_flickr.beam2.en"
     assert len(hyp_file.read_text().splitlines()) == 100
 
-    r = mtx("eval", "--run", str(run_dir), "--beam", "2", "--stop", "finished", "--json")
+    r = mtx_here(monkeypatch, "eval", "--run", str(run_dir), "--beam", "2", "--stop", "finished", "--json")
     assert r.returncode == 0, r.stderr.decode()
     assert json.loads(r.stdout)["stop"] == "finished"
     assert len((run_dir / "eval" / "test_2016_flickr.beam2.finished.en").read_text().splitlines()) == 100
 
     src, ref = str(small_data / "val.de"), str(small_data / "val.en")
-    r = mtx("eval", "--run", str(run_dir), "--src", src, "--ref", ref, "--json", "--lowercase")
+    r = mtx_here(monkeypatch, "eval", "--run", str(run_dir), "--src", src, "--ref", ref, "--json", "--lowercase")
     result = json.loads(r.stdout.decode())
     assert r.returncode == 0 and result["sentences"] == 200 and 0 <= result["bleu"] <= 100
     # the scores are sacreBLEU's own of the hypotheses written against the references given
@@ -102,7 +111,7 @@ def test_train_translate_eval_round_trip(tmp_path: Path, small_data: Path) -> No
 
     # a second train into the same directory is refused and changes nothing
     before = (run_dir / "checkpoints" / "last.pt").read_bytes()
-    r = mtx(*tiny_args(small_data, run_dir))
+    r = mtx_here(monkeypatch, *tiny_args(small_data, run_dir))
     assert_one_line_error(r, "already holds a run", "--resume")
     assert (run_dir / "checkpoints" / "last.pt").read_bytes() == before
 
@@ -189,21 +198,25 @@ def _read_line(stream: IO[bytes], seconds: float = 120) -> str:
 SENTENCES = ["Ein Mann fährt Fahrrad.", "", "Zwei Hunde spielen im Schnee.", "Eine Frau liest.", "Ein Kind lacht."]
 
 
-def test_translate_streams_standard_input(tiny_run: Path) -> None:
+def test_translate_streams_standard_input(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Standard input in batches of --buffer-lines, the same outputs as all lines at once; a batch
     also ends where the input pauses, so a writer who waits for each line's translation gets it,
     through a pipe and at a terminal."""
-    whole = mtx("translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "2", *SENTENCES)
+    whole = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "2", *SENTENCES)
     assert whole.returncode == 0, whole.stderr.decode()
-    chunked = mtx(
-        "translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "2", "--buffer-lines", "2",
+    chunked = mtx_here(
+        monkeypatch, "translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "2", "--buffer-lines", "2",
         stdin="".join(s + "\n" for s in SENTENCES).encode(),
     )  # fmt: skip
     assert chunked.returncode == 0, chunked.stderr.decode()
     assert chunked.stdout == whole.stdout  # the n-best numbers count lines across chunks
     numbers = [int(line.split(" ||| ")[0]) for line in whole.stdout.decode().splitlines()]
     assert numbers == sorted(numbers) and set(numbers) == set(range(len(SENTENCES))), numbers
-    expected = mtx("translate", "--run", str(tiny_run), *SENTENCES[:2]).stdout.decode().splitlines(keepends=True)
+    expected = (
+        mtx_here(monkeypatch, "translate", "--run", str(tiny_run), *SENTENCES[:2])
+        .stdout.decode()
+        .splitlines(keepends=True)
+    )
 
     child = _start_translate(tiny_run)  # the default 10,000 lines: the pause ends each batch
     try:
@@ -288,15 +301,21 @@ def _read_terminal(controller: int) -> bytes:
         return b""
 
 
-def test_paths_that_cannot_be_written_are_one_line_errors(tmp_path: Path, small_data: Path, tiny_run: Path) -> None:
+def test_paths_that_cannot_be_written_are_one_line_errors(
+    tmp_path: Path, small_data: Path, tiny_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A run directory, export directory or hypothesis file under a regular file: the path and
     the system's reason in one line, exit 1, before any work is spent."""
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    assert_one_line_error(mtx(*tiny_args(small_data, blocker / "run")), f"{blocker / 'run'}: Not a directory")
-    exported = mtx("export", "--run", str(tiny_run), "--out", str(blocker / "ct2"))
+    assert_one_line_error(
+        mtx_here(monkeypatch, *tiny_args(small_data, blocker / "run")), f"{blocker / 'run'}: Not a directory"
+    )
+    exported = mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--out", str(blocker / "ct2"))
     assert_one_line_error(exported, f"--out {blocker / 'ct2'}: {blocker} is a file, not a directory")
-    hypotheses = mtx("eval", "--run", str(tiny_run), "--split", "val", "--output", str(blocker / "h.en"))
+    hypotheses = mtx_here(
+        monkeypatch, "eval", "--run", str(tiny_run), "--split", "val", "--output", str(blocker / "h.en")
+    )
     assert_one_line_error(hypotheses, f"--output {blocker / 'h.en'}: {blocker} is a file, not a directory")
     assert blocker.read_text() == "x"
 
@@ -361,7 +380,9 @@ def test_output_paths_that_are_not_files_or_not_what_the_command_takes_are_one_l
             assert_one_line_error(full, "standard output: No space left on device")
 
 
-def test_standard_streams_closed_or_named_as_files(tiny_run: Path, tmp_path: Path) -> None:
+def test_standard_streams_closed_or_named_as_files(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """stop 54: a closed standard input or output was a traceback; eval --output /dev/stdout with
     stdout redirected to a file wrote the hypotheses from the file's start, and the scores over
     them; plot --out /dev/stdout wrote /dev/stdout.png."""
@@ -383,7 +404,9 @@ def test_standard_streams_closed_or_named_as_files(tiny_run: Path, tmp_path: Pat
         done = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, cwd=REPO, env=_child_env(), timeout=600)
     assert done.returncode == 0, done.stderr.decode()
     lines = (tmp_path / "all.txt").read_text().splitlines()
-    hyps = mtx("translate", "--run", str(tiny_run), "--beam", "1", stdin=(tmp_path / "s.de").read_bytes())
+    hyps = mtx_here(
+        monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", stdin=(tmp_path / "s.de").read_bytes()
+    )
     assert lines[:3] == hyps.stdout.decode().splitlines() and lines[3].startswith("s.de de-en beam 1")
     assert lines[-1] == "hypotheses: /dev/stdout"
     dash = mtx("eval", "--run", str(tiny_run), *files, "--output", "-", cwd=tmp_path)  # "-": standard output too
@@ -394,17 +417,23 @@ def test_standard_streams_closed_or_named_as_files(tiny_run: Path, tmp_path: Pat
     assert not Path("/dev/stdout.png").exists()
 
 
-def test_translate_errors_on_a_finished_run(tiny_run: Path) -> None:
-    assert_one_line_error(mtx("translate", "--run", str(tiny_run), stdin=b"ok\n\xff\n"), "line 2 is not valid UTF-8")
+def test_translate_errors_on_a_finished_run(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert_one_line_error(
+        mtx_here(monkeypatch, "translate", "--run", str(tiny_run), stdin=b"ok\n\xff\n"), "line 2 is not valid UTF-8"
+    )
     # the lines before a bad one are translated and written, then the error
-    r = mtx("translate", "--run", str(tiny_run), "--buffer-lines", "1", stdin=b"Ein Mann.\nEin Hund.\n\xff\n")
+    r = mtx_here(
+        monkeypatch, "translate", "--run", str(tiny_run), "--buffer-lines", "1", stdin=b"Ein Mann.\nEin Hund.\n\xff\n"
+    )
     assert_one_line_error(r, "standard input: line 3 is not valid UTF-8")
     assert len(r.stdout.decode().splitlines()) == 2
-    no_buffer = mtx("translate", "--run", str(tiny_run), "--buffer-lines", "0", stdin=b"x\n")
+    no_buffer = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--buffer-lines", "0", stdin=b"x\n")
     assert_one_line_error(no_buffer, "--buffer-lines must be >= 1, got 0")
-    assert_one_line_error(mtx("translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "3", "x"), "--nbest")
-    assert_one_line_error(mtx("eval", "--run", str(tiny_run), "--split", "nosuch"), "nosuch")
-    bad_device = mtx("eval", "--run", str(tiny_run), "--device", "nosuch")
+    assert_one_line_error(
+        mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "3", "x"), "--nbest"
+    )
+    assert_one_line_error(mtx_here(monkeypatch, "eval", "--run", str(tiny_run), "--split", "nosuch"), "nosuch")
+    bad_device = mtx_here(monkeypatch, "eval", "--run", str(tiny_run), "--device", "nosuch")
     assert_one_line_error(bad_device, "--device: unknown device 'nosuch'")
 
 
@@ -539,36 +568,40 @@ def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision()
     assert _source_tag(own, "val", "data") == "val"
 
 
-def test_eval_and_translate_in_bf16(tiny_run: Path, tmp_path: Path) -> None:
+def test_eval_and_translate_in_bf16(tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--precision bf16 decodes with the weights cast to bf16 and says so; a bad value is refused."""
-    r = mtx("eval", "--run", str(tiny_run), "--precision", "bf16", "--json", "--output", str(tmp_path / "h.en"))
+    r = mtx_here(
+        monkeypatch, "eval", "--run", str(tiny_run), "--precision", "bf16", "--json", "--output", str(tmp_path / "h.en")
+    )
     assert r.returncode == 0, r.stderr.decode()
     result = json.loads(r.stdout)
     assert result["precision"] == "bf16" and result["sentences"] == 100 and result["bleu"] >= 0.0
-    r = mtx("translate", "--run", str(tiny_run), "--precision", "bf16", "--beam", "2", "Ein Mann.")
+    r = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--precision", "bf16", "--beam", "2", "Ein Mann.")
     assert r.returncode == 0 and len(r.stdout.decode().splitlines()) == 1
-    r = mtx("translate", "--run", str(tiny_run), "--precision", "fp16", "x")
+    r = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--precision", "fp16", "x")
     assert r.returncode == 2 and "--precision" in r.stderr.decode()
 
 
-def test_eval_decodes_an_ensemble_of_checkpoints(tiny_run: Path, tiny_restricted_run: Path, tmp_path: Path) -> None:
+def test_eval_decodes_an_ensemble_of_checkpoints(
+    tiny_run: Path, tiny_restricted_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two --checkpoint flags decode as one ensemble; a member trained otherwise is a one-line error."""
     ckpts = tiny_run / "checkpoints"
     out = tmp_path / "hyps.en"
     both = ["--checkpoint", str(ckpts / "last.pt"), "--checkpoint", str(ckpts / "ema.pt")]
-    r = mtx("eval", "--run", str(tiny_run), *both, "--output", str(out))
+    r = mtx_here(monkeypatch, "eval", "--run", str(tiny_run), *both, "--output", str(out))
     assert r.returncode == 0, r.stderr.decode()
     assert f"{ckpts / 'last.pt'}, {ckpts / 'ema.pt'}" in r.stdout.decode().splitlines()[0]
     assert len(out.read_text().splitlines()) == 100  # the small slice's test_2016_flickr
     other = ["--checkpoint", str(tiny_restricted_run / "checkpoints" / "last.pt")]
-    assert_one_line_error(mtx("eval", "--run", str(tiny_run), *both[:2], *other), "restrict_output")
+    assert_one_line_error(mtx_here(monkeypatch, "eval", "--run", str(tiny_run), *both[:2], *other), "restrict_output")
     # the same vocabulary trained the other way round (a joint vocabulary loads either direction)
     reverse = torch.load(ckpts / "last.pt", weights_only=True)
     data = reverse["config"]["data"]
     data["src_lang"], data["tgt_lang"] = data["tgt_lang"], data["src_lang"]
     torch.save(reverse, tmp_path / "reverse.pt")
     for extra in ([], both[:2]):
-        r = mtx("eval", "--run", str(tiny_run), *extra, "--checkpoint", str(tmp_path / "reverse.pt"))
+        r = mtx_here(monkeypatch, "eval", "--run", str(tiny_run), *extra, "--checkpoint", str(tmp_path / "reverse.pt"))
         assert_one_line_error(r, "the checkpoint translates en->de, the run de->en")
 
 

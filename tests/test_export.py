@@ -25,7 +25,7 @@ from mtx.search import max_output_lengths, translate_ids
 from mtx.tokenizer import EOS
 
 from .conftest import tiny_args
-from .test_cli import assert_one_line_error, mtx
+from .test_cli import assert_one_line_error, mtx_here
 
 ctranslate2 = pytest.importorskip(
     "ctranslate2", reason="no CTranslate2 on this platform (the optional extra mtx[export])"
@@ -131,7 +131,9 @@ def test_export_command_and_its_refusals(tiny_run: Path, tmp_path: Path, monkeyp
     kept = [f".busy.partial-{host}-{os.getpid()}", f".other.partial-elsewhere-{gone.pid}"]
     for name in kept:
         (tmp_path / name).mkdir()
-    r = mtx("export", "--run", str(tiny_run), "--out", str(tmp_path / "ct2"), "--quantization", "int8")
+    r = mtx_here(
+        monkeypatch, "export", "--run", str(tiny_run), "--out", str(tmp_path / "ct2"), "--quantization", "int8"
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert sorted(p.name for p in tmp_path.glob(".*partial*")) == sorted(kept)
     for name in kept:
@@ -141,16 +143,17 @@ def test_export_command_and_its_refusals(tiny_run: Path, tmp_path: Path, monkeyp
     assert {"model.bin", "config.json", "source_tokenizer.json", "target_tokenizer.json", "mtx_export.json"} <= set(
         written
     )
-    again = mtx("export", "--run", str(tiny_run), "--out", str(tmp_path / "ct2"))
+    again = mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--out", str(tmp_path / "ct2"))
     assert_one_line_error(again, "already exists and is not empty")
     assert sorted(p.name for p in (tmp_path / "ct2").iterdir()) == written  # nothing overwritten
-    assert_one_line_error(mtx("export", "--run", str(tmp_path / "nowhere")), "run directory not found")
-    missing = mtx(
-        "export", "--run", str(tiny_run), "--checkpoint", str(tmp_path / "no.pt"), "--out", str(tmp_path / "x")
+    assert_one_line_error(
+        mtx_here(monkeypatch, "export", "--run", str(tmp_path / "nowhere")), "run directory not found"
     )
+    elsewhere = ["--checkpoint", str(tmp_path / "no.pt"), "--out", str(tmp_path / "x")]
+    missing = mtx_here(monkeypatch, "export", "--run", str(tiny_run), *elsewhere)
     assert_one_line_error(missing, "no.pt")
     assert not (tmp_path / "x").exists()
-    bad = mtx("export", "--run", str(tiny_run), "--quantization", "int4")
+    bad = mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--quantization", "int4")
     assert bad.returncode == 2 and b"invalid choice: 'int4'" in bad.stderr
 
     checkpoints = sorted((tiny_run / "checkpoints").glob("step_*.pt"))[:2]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import hashlib
 import io
@@ -30,8 +29,8 @@ from mtx.data import ParallelIds, read_lines
 from mtx.errors import MtxError
 from mtx.tokenizer import train_bpe
 
-from .conftest import REPO, tiny_args
-from .test_cli import assert_one_line_error, mtx
+from .conftest import REPO, main_in_process, tiny_args
+from .test_cli import assert_one_line_error, mtx, mtx_here
 
 
 def mini_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -245,7 +244,9 @@ def test_extra_source_languages_join_the_first_epochs_and_resume_exactly(
     assert extra.tgt_ids == real.tgt_ids and trainer.src_tok.decode_batch(extra.src_ids) == french
 
 
-def test_diversify_adds_the_models_translations_and_resumes_exactly(tmp_path: Path, mini_data: Path) -> None:
+def test_diversify_adds_the_models_translations_and_resumes_exactly(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # two-way epochs of about 18 batches: epoch 2 starts at step 36, past half of the 70 steps (and
     # of the split run's 45), so both runs translate train there; the split run stops inside it
     common = ("--set", "train.bidirectional=0.5", "--set", "train.diversify=0.5", "--set", "train.ema=0.99")
@@ -287,7 +288,7 @@ def test_diversify_adds_the_models_translations_and_resumes_exactly(tmp_path: Pa
     one_way = tmp_path / "one_way"
     assert main(mini_args(mini_data, one_way, "--set", "train.max_steps=25", "--set", "train.eval_every=100")) == 0
     both = ["--set", "train.bidirectional=0.9", "--set", "train.diversify=0.5", "--set", "train.max_steps=60"]
-    result = mtx("train", "--run-dir", str(one_way), "--resume", *both)
+    result = mtx_here(monkeypatch, "train", "--run-dir", str(one_way), "--resume", *both)
     assert_one_line_error(result, "train.diversify translates train both ways with the model")
 
 
@@ -640,9 +641,9 @@ def test_yaml_tags_that_would_run_code_are_rejected(tmp_path: Path, small_data: 
 
 
 # -- an existing run is never overwritten ---------------------------------------------------------
-def test_existing_run_is_not_overwritten(tiny_run: Path, small_data: Path) -> None:
+def test_existing_run_is_not_overwritten(tiny_run: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     before = snapshot(tiny_run)
-    assert_one_line_error(mtx(*tiny_args(small_data, tiny_run)), "already holds a run", "--resume")
+    assert_one_line_error(mtx_here(monkeypatch, *tiny_args(small_data, tiny_run)), "already holds a run", "--resume")
     assert snapshot(tiny_run) == before
 
 
@@ -1091,7 +1092,7 @@ def _other_setting(run: Path, tmp: Path, old: str, new: str) -> Path:
 
 
 def test_a_restricted_checkpoint_of_a_larger_vocabulary_is_a_one_line_error(
-    tiny_restricted_run: Path, tmp_path: Path
+    tiny_restricted_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another run's restricted-output checkpoint whose pieces lie beyond this run's vocabulary:
     the model was built from its output ids before the vocabularies were compared, a traceback
@@ -1101,7 +1102,7 @@ def test_a_restricted_checkpoint_of_a_larger_vocabulary_is_a_one_line_error(
     ckpt["model"]["output_ids"] = torch.cat([ckpt["model"]["output_ids"], torch.tensor([5000])])
     other = tmp_path / "other.pt"
     torch.save(ckpt, other)
-    result = mtx("translate", "--run", str(tiny_restricted_run), "--checkpoint", str(other), "x")
+    result = mtx_here(monkeypatch, "translate", "--run", str(tiny_restricted_run), "--checkpoint", str(other), "x")
     assert_one_line_error(result, f"{other}: vocabulary differs from the run's tokenizer")
 
 
@@ -1109,24 +1110,6 @@ def _other_shape(run: Path, tmp: Path) -> Path:
     copy = copy_run(run, tmp / "run")
     _edit(copy / "config.yaml", "d_ff: 128", "d_ff: 256")
     return copy
-
-
-def main_in_process(
-    argv: list[str], stdin: bytes | None, monkeypatch: pytest.MonkeyPatch
-) -> subprocess.CompletedProcess:
-    """`mtx ARGV` through its entry point in this process, as `mtx()` runs it in a new one (a
-    process imports torch in about 2 s: 40 cases took 77 s of the suite). An exception that would
-    print a traceback fails the test with it."""
-    monkeypatch.chdir(REPO)
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin or b""), encoding="utf-8"))
-    threads = torch.get_num_threads()
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(argv)
-    finally:
-        torch.set_num_threads(threads)
-    return subprocess.CompletedProcess(argv, code, out.getvalue().encode(), err.getvalue().encode())
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
@@ -1214,7 +1197,7 @@ def test_any_failure_while_setting_up_leaves_no_half_made_run(
 
 
 def test_a_start_killed_before_its_first_checkpoint_starts_again_with_any_config(
-    tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`kill -9` (or a machine going down) while the tokenizer trains leaves config.yaml, a
     tokenizer and train.log, no checkpoint, and no cleanup runs. The hint of `--resume` (start it
@@ -1235,20 +1218,22 @@ def test_a_start_killed_before_its_first_checkpoint_starts_again_with_any_config
     assert main(mini_args(mini_data, run, *steps, *other)) == 0
     assert "held a start that ended before its first checkpoint, with another config" in capsys.readouterr().err
     assert load_run_config(run).model.d_model == 32 and load_checkpoint(run / "checkpoints" / "last.pt")
-    assert_one_line_error(mtx(*mini_args(mini_data, run, *steps)), "already holds a run")
+    assert_one_line_error(mtx_here(monkeypatch, *mini_args(mini_data, run, *steps)), "already holds a run")
     shutil.rmtree(run / "checkpoints")  # its checkpoints gone, its learning curve kept: still a run
     before = snapshot(run)
     assert main(mini_args(mini_data, run, *steps)) == 1 and "already holds a run" in capsys.readouterr().err
     assert snapshot(run) == before
 
 
-def test_a_resume_below_the_runs_step_is_refused_and_changes_nothing(tiny_run: Path, tmp_path: Path) -> None:
+def test_a_resume_below_the_runs_step_is_refused_and_changes_nothing(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`--resume --set train.max_steps=N` below the step reached: before, it validated again,
     appended a second validation of the same step to metrics.jsonl and saved N as the config."""
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
     before = {k: v for k, v in snapshot(run).items() if not k.endswith("train.log")}
-    result = mtx("train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=50")
+    result = mtx_here(monkeypatch, "train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=50")
     assert_one_line_error(result, "the run is at step 200, past train.max_steps=50", "larger train.max_steps")
     assert {k: v for k, v in snapshot(run).items() if not k.endswith("train.log")} == before
 
@@ -1349,10 +1334,12 @@ def test_an_epoch_without_an_update_is_an_error_not_an_endless_loop(
     assert err[-1].startswith("mtx: error: an epoch of ") and "fewer than train.accum_steps=100000" in err[-1]
 
 
-def test_documented_non_errors(tiny_run: Path) -> None:
+def test_documented_non_errors(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An empty input line gives an empty output line; an overlong one is truncated with a warning."""
     long = " ".join(["Ein Mann fährt Fahrrad."] * 80)
-    r = mtx("translate", "--run", str(tiny_run), "--beam", "1", stdin=f"Ein Hund.\n\n{long}\n".encode())
+    r = mtx_here(
+        monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", stdin=f"Ein Hund.\n\n{long}\n".encode()
+    )
     err = r.stderr.decode()
     out = r.stdout.decode().split("\n")
     assert r.returncode == 0 and "mtx: error" not in err, err
