@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from mtx import __version__
 from mtx.config import AT_MOST, MAX_LENGTH_PENALTY, QUANTIZATIONS, STOPS, name_problem
@@ -130,12 +130,25 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
 
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, except that help and version text that cannot be written is an error:
-    argparse drops the OSError, so `mtx --help > /dev/full` printed nothing and exited 0 (stop 55).
-    Subcommands' parsers are of the same class (`add_subparsers` makes them so)."""
+    argparse drops the OSError, so `mtx --help > /dev/full` printed nothing and exited 0 (stop 55);
+    and a usage mistake is one line, as mtx's other errors are (stop 57: `--beam x` printed the
+    seven-line usage of translate above it). Subcommands' parsers are of the same class
+    (`add_subparsers` makes them so)."""
 
     def _print_message(self, message: str, file: IO[str] | None = None) -> None:
         if message:
             (file or sys.stderr).write(message)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"mtx: error: {message} (see {self.prog} --help)\n")  # 2: argparse's code for usage
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        """argparse's, except that an unknown option points to its command's help, not mtx's."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+            commands.get(getattr(namespace, "command", None), self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,16 +351,14 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, import
     import torch
 
     from mtx.checkpoint import load_run
-    from mtx.train import cpu_bf16_speedup, pick_device
+    from mtx.train import pick_device, slow_bf16
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device, "--device")
     run = load_run(args.run, args.checkpoint, device)
     if _precision(args, run.cfg) == "bf16":
-        speed = cpu_bf16_speedup() if device.type == "cpu" else 1.0
-        if speed < 1:
-            how = f"at {speed:.2f}x the speed of fp32" if speed else "emulated (no native bf16)"
+        if how := slow_bf16(device):
             log.warning("bf16 products run %s on this CPU: --precision fp32 decodes faster", how)
         run.model.to(torch.bfloat16)  # log-probabilities and scores stay float32 (search.py)
     return run

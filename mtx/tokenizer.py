@@ -6,11 +6,9 @@ NFC normalisation and stripping of outer whitespace), so detokenisation needs no
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -66,18 +64,12 @@ class BPE:
         return hashlib.sha256(repr(vocab).encode()).hexdigest()[:16]
 
     def save(self, path: str | Path) -> None:
-        """Write the tokenizer file whole or not at all; a failure (a full disk) is a one-line
+        """Write the tokenizer file whole or not at all, as checkpoints are written (synced to disk
+        before the rename: stop 57, it was renamed unsynced); a failure (a full disk) is a one-line
         `CheckpointError` (stop 54: the tokenizers library's bare Exception, a traceback)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-        try:
-            tmp.write_text(self.tokenizer.to_str(pretty=True), encoding="utf-8")
-            os.replace(tmp, path)
-        except OSError as e:
-            raise CheckpointError(f"{path}: cannot write ({e.strerror or e})") from None
-        finally:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
+        from mtx.checkpoint import atomic_write_text  # (which imports this module)
+
+        atomic_write_text(Path(path), self.tokenizer.to_str(pretty=True))
 
     @classmethod
     def load(cls, path: str | Path) -> BPE:

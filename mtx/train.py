@@ -206,6 +206,15 @@ def cpu_bf16_speedup() -> float:
     return best[torch.float32] / best[torch.bfloat16]
 
 
+def slow_bf16(device: torch.device) -> str | None:
+    """How this CPU runs bf16 products where they are slower than float32's ("emulated (no native
+    bf16)", "at 0.55x the speed of fp32"), for a warning; None where they are not, or off the CPU."""
+    speed = cpu_bf16_speedup() if device.type == "cpu" else 1.0
+    if speed >= 1:
+        return None
+    return f"at {speed:.2f}x the speed of fp32" if speed else "emulated (no native bf16)"
+
+
 def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager[Any]:
     if dtype is None:
         return nullcontext()
@@ -1001,6 +1010,12 @@ class Trainer:
                 self.ema.load(ckpt["ema"])
             elif self.ema is not None:  # train.ema turned on at resume: the average starts here
                 self.ema = MovingAverage(self.model, self.ema.decay)
+            elif "ema" in ckpt and self.ranks.is_main and (ckpt_io.checkpoint_dir(self.run_dir) / "ema.pt").is_file():
+                log.info(  # (stop 57: it stayed without a word, an average of an earlier step beside new ones)
+                    "train.ema is 0 from step %d: checkpoints/ema.pt stays the moving average of step %d",
+                    self.state.step,
+                    self.state.validated_step,
+                )
             rng_per_rank = ckpt.get("rng_per_rank") or [ckpt["rng"]]
             same_ranks = len(rng_per_rank) == self.ranks.world_size
             _set_rng_state(rng_per_rank[self.ranks.rank] if same_ranks else ckpt["rng"])
@@ -1390,6 +1405,8 @@ class Trainer:
             len(self.valid_ids),
             100 * pad,
         )
+        if self.amp == torch.bfloat16 and (how := slow_bf16(self.device)):  # (stop 57: 9.5x as slow on Zen 3)
+            log.warning("bf16 products run %s on this CPU: train.amp fp32 trains faster", how)
         if self.ranks.world_size > 1:
             log.info(
                 "DDP over %d ranks (%s): train.batch_tokens=%d per rank, x %d ranks x %d accum_steps per update",
@@ -1484,6 +1501,8 @@ class Trainer:
             if metrics is not None:
                 metrics.close()
         self.save()
+        if stop.signal is not None:  # it came in the last step or validation: nothing was left to stop
+            log.info("%s came as the run was ending: it is complete", signal.Signals(stop.signal).name)
         log.info(
             "done: %s, at step %d; best val BLEU %.2f at step %d; %.0f s of training",
             stop_reason,

@@ -133,6 +133,23 @@ def test_help_lists_every_option() -> None:
     assert b"--buffer-lines" in mtx("translate", "--help").stdout and b"int8" in mtx("export", "--help").stdout
 
 
+def test_usage_mistakes_are_one_line_that_points_to_the_commands_help(monkeypatch: pytest.MonkeyPatch) -> None:
+    """stop 57: argparse printed the command's usage (seven lines for translate) above its error,
+    and an unknown option of a command pointed to `mtx --help`. Exit code 2, argparse's."""
+    cases = [
+        (["translate", "--beam", "x", "a"], "argument --beam: invalid int value: 'x' (see mtx translate --help)"),
+        (["eval", "--run", "r", "--bogus", "x"], "unrecognized arguments: --bogus x (see mtx eval --help)"),
+        (["translate", "a"], "the following arguments are required: --run (see mtx translate --help)"),
+        (["trian"], "argument COMMAND: invalid choice: 'trian' (choose from 'train', "),
+    ]
+    for argv, message in cases:
+        r = mtx_here(monkeypatch, *argv)
+        err = r.stderr.decode().splitlines()
+        assert r.returncode == 2 and len(err) == 1 and err[0].startswith("mtx: error: ") and message in err[0], err
+    r = mtx("translate", "--beam", "x", "a")  # as a process
+    assert r.returncode == 2 and r.stderr.decode().splitlines() == [f"mtx: error: {cases[0][1]}"]
+
+
 @pytest.mark.parametrize(
     "make_args, needles",
     [

@@ -140,6 +140,18 @@ def test_resume_is_bit_identical_across_epoch_boundaries(tmp_path: Path, mini_da
         {k: v for k, v in e.items() if k not in timed} for e in straight_events
     ]
 
+    # train.ema off from here: ema.pt stays the average of step 40, and the log says so (stop 57: silent)
+    ema = (split / "checkpoints" / "ema.pt").read_bytes()
+    assert (
+        main(["train", "--run-dir", str(split), "--resume", "--set", "train.ema=0", "--set", "train.max_steps=41"]) == 0
+    )
+    assert "ema" not in load_weights_only(split / "checkpoints" / "last.pt")
+    assert (split / "checkpoints" / "ema.pt").read_bytes() == ema
+    assert (
+        "train.ema is 0 from step 40: checkpoints/ema.pt stays the moving average of step 40"
+        in (split / "train.log").read_text()
+    )
+
 
 def test_a_run_ending_between_log_lines_resumes_to_the_straight_runs_log(tmp_path: Path, mini_data: Path) -> None:
     """stop 56: a run ending at a step short of train.log_every logged its last steps and closed
@@ -432,12 +444,12 @@ def test_full_disks_read_only_disks_and_unreadable_files_are_named_in_one_line(
 
     tok = BPE.load(tiny_run / "tokenizer.json")
 
-    def full(self: Path, *args: object, **kwargs: object) -> None:
+    def full(fd: int) -> None:  # where a full disk shows up on a file system that allocates late
         raise OSError(28, "No space left on device")
 
-    with monkeypatch.context() as m:
-        m.setattr(Path, "write_text", full)
-        with pytest.raises(CheckpointError, match=r"tok.json: cannot write \(No space left on device\)$"):
+    with monkeypatch.context() as m:  # written and synced before the rename, as a checkpoint (stop 57: unsynced)
+        m.setattr(ckpt_io.os, "fsync", full)
+        with pytest.raises(CheckpointError, match=r"tok.json: cannot write \(No space left on device\); the prev"):
             tok.save(tmp_path / "tok.json")
     tok.save(tmp_path / "tok.json")
     assert BPE.load(tmp_path / "tok.json").fingerprint() == tok.fingerprint()
@@ -499,6 +511,27 @@ def test_stop_signal_saves_and_tells_how_to_resume(tmp_path: Path, mini_data: Pa
     )
     assert main(["train", "--run-dir", str(run_dir), "--resume", "--set", f"train.max_steps={step + 3}"]) == 0
     assert load_weights_only(run_dir / "checkpoints" / "last.pt")["step"] == step + 3
+
+
+def test_a_stop_signal_in_the_last_validation_lets_the_run_end_complete(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A signal is taken before the next step; in the last step's validation there is none left:
+    the run ends complete, exit 0, and says the signal came as it was ending (stop 57: it said
+    "saving a checkpoint and stopping", then "done" without a word on the signal)."""
+    validate = train_module.Trainer._evaluate
+
+    def interrupted(self: train_module.Trainer, metrics: object) -> bool:
+        os.kill(os.getpid(), signal.SIGTERM)  # caught by mtx's handler, which sets the stop flag
+        return validate(self, metrics)
+
+    monkeypatch.setattr(train_module.Trainer, "_evaluate", interrupted)
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=3", "--set", "train.eval_every=3")) == 0
+    assert "SIGTERM came as the run was ending: it is complete" in capsys.readouterr().err
+    last = load_weights_only(run / "checkpoints" / "last.pt")["state"]
+    assert last["step"] == last["validated_step"] == 3
 
 
 def test_kill_9_never_leaves_a_torn_checkpoint(tmp_path: Path, mini_data: Path) -> None:

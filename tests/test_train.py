@@ -290,9 +290,13 @@ def _final_loss(run_dir: Path) -> float:
     return [e for e in events if e["event"] == "train"][-1]["loss"]
 
 
-def test_bf16_converges_like_fp32(tmp_path: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """train.amp bf16 trains under bf16 autocast (fp32 without it) and learns as fp32 does."""
-    losses, autocast = {}, {"fp32": [], "bf16": []}
+def test_bf16_converges_like_fp32(
+    tmp_path: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train.amp bf16 trains under bf16 autocast (fp32 without it) and learns as fp32 does; where
+    this CPU's bf16 products are slower than fp32's, a warning says so (stop 57: none, and 9.5x
+    as slow on Zen 3, which emulates them)."""
+    losses, autocast, warned = {}, {"fp32": [], "bf16": []}, {}
     real = train_module.label_smoothed_loss
 
     def recording(model: torch.nn.Module, batch: object, smoothing: float) -> torch.Tensor:
@@ -311,12 +315,15 @@ def test_bf16_converges_like_fp32(tmp_path: Path, small_data: Path, monkeypatch:
             small_data, run, "--set", "train.max_steps=40", "--set", f"train.amp={amp}", "--set", "train.device=cpu"
         )
         small = ["train.batch_tokens=800", "train.warmup_steps=20", "train.eval_every=40", "train.eval_sentences=20"]
+        capsys.readouterr()
         assert main([*args, *(arg for key in small for arg in ("--set", key))]) == 0
         losses[amp] = _final_loss(run)
+        warned[amp] = "bf16 products run" in capsys.readouterr().err
     assert losses["fp32"] < 5.8  # it did learn (starts near ln(1000) = 6.9)
     assert losses["bf16"] == pytest.approx(losses["fp32"], abs=0.1)
     assert losses["bf16"] != losses["fp32"]  # bf16's rounding: not the same run twice
     assert set(autocast["fp32"]) == {torch.float32} and set(autocast["bf16"]) == {torch.bfloat16}
+    assert warned == {"fp32": False, "bf16": cpu_bf16_speedup() < 1}
 
 
 def test_cpu_bf16_speedup_is_measured_once_and_is_zero_without_native_bf16() -> None:
