@@ -57,11 +57,26 @@ def _find_split_file(data_dir: Path, split: str, lang: str) -> Path | None:
     return next((data_dir / n for n in (f"{split}.{lang}", f"{split}.{lang}.gz") if (data_dir / n).is_file()), None)
 
 
+_BOTH_FORMS_NOTED: set[Path] = set()  # plain files read beside a .gz of the same name, warned once
+
+
 def split_file(data_dir: Path, split: str, lang: str) -> Path:
-    """The file of one side of one split, plain or gzipped."""
+    """The file of one side of one split, plain or gzipped (the plain one where both are there,
+    with a warning: they may differ)."""
     path = _find_split_file(data_dir, split, lang)
+    packed = data_dir / f"{split}.{lang}.gz"
+    if path is not None and path != packed and packed.is_file() and path not in _BOTH_FORMS_NOTED:
+        _BOTH_FORMS_NOTED.add(path)  # (stop 57: the plain file was read without a word)
+        log.warning(
+            "%s: both %s and %s are here; reading %s (remove the other)", data_dir, path.name, packed.name, path.name
+        )
     if path is not None:
         return path
+    for odd in (data_dir / f"{split}.{lang}", packed):  # (stop 57: "no train.de or train.de.gz" for a directory)
+        if odd.exists() or odd.is_symlink():
+            raise DataError(
+                f"{odd}: not a file (a directory or a broken link); {split}.{lang} is read from a text file"
+            )
     raise DataError(
         f"{data_dir}: no {split}.{lang} or {split}.{lang}.gz (split {split!r} missing, or language {lang!r} not in it)"
     )

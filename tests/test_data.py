@@ -42,13 +42,21 @@ def test_loads_the_shared_multi30k_copy(shared_data: Path) -> None:
     assert set(available_splits(shared_data, "de", "en")) == {"train", "val", "test_2016_flickr"}
 
 
-def test_loads_plain_and_gz_files_from_a_directory(tmp_path: Path) -> None:
+def test_loads_plain_and_gz_files_from_a_directory(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "train.fr").write_text("Bonjour.\nMerci.\n", encoding="utf-8")
     with gzip.open(tmp_path / "train.en.gz", "wt", encoding="utf-8") as f:
         f.write("Hello.\nThanks.\n")
     cfg = DataConfig(dir=str(tmp_path), src_lang="en", tgt_lang="fr")
     ds = load_corpus(tmp_path, cfg, ["train"])["train"]
     assert ds["src"] == ["Hello.", "Thanks."] and ds["tgt"] == ["Bonjour.", "Merci."]
+    assert not caplog.records
+    # both forms of one file: the plain one, with a warning, once (stop 57: without a word)
+    (tmp_path / "train.en").write_text("Hi.\nThanks!\n", encoding="utf-8")
+    for _ in range(2):
+        assert load_corpus(tmp_path, cfg, ["train"])["train"]["src"] == ["Hi.", "Thanks!"]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"{tmp_path}: both train.en and train.en.gz are here; reading train.en (remove the other)"
+    ]
 
 
 def test_data_errors(tmp_path: Path) -> None:

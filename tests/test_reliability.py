@@ -691,6 +691,11 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _directory_instead(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
 def _flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -830,6 +835,11 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
             None,
         ),
         ("val.de has 200 lines", "val.en has 199", "same number of lines"),
+    ),
+    (
+        "a data file that is a directory (stop 57: 'no val.en or val.en.gz')",
+        lambda t, d, r: (tiny_args(_data_copy(d, t / "d", lambda p: _directory_instead(p / "val.en")), t / "r"), None),
+        ("val.en: not a file (a directory or a broken link)",),
     ),
     (
         "empty line in data",
