@@ -151,6 +151,14 @@ class _Parser(argparse.ArgumentParser):
         return namespace
 
 
+def file_path(text: str) -> Path:
+    """An output file's path: one that ends in a separator means a directory (stop 57: `average
+    --out avgs/` wrote a file named avgs, `plot --out figs/` figs.png), an argparse error."""
+    if text.endswith(("/", os.sep)) and text not in ("/", os.sep):
+        raise argparse.ArgumentTypeError(f"{text!r} ends in {text[-1]!r}, a directory; give a file path")
+    return Path(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="mtx",
@@ -207,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ref", type=Path, help="reference file (plain or .gz), with --src")
     p.add_argument("--lowercase", action="store_true", help="also report lowercased BLEU")
     p.add_argument(
-        "--output", type=Path, help="where to write hypotheses (default: RUN/eval/SPLIT.beamN.LANG; -: standard output)"
+        "--output",
+        type=file_path,
+        help="where to write hypotheses (default: RUN/eval/SPLIT.beamN.LANG; -: standard output)",
     )
     p.add_argument(
         "--bootstrap",
@@ -236,9 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--run", required=True, type=Path, help="run directory")
     p.add_argument("--last", type=int, default=5, help="how many of the newest step checkpoints (default: 5)")
-    p.add_argument("--out", type=Path, help="output file (default: RUN/checkpoints/average_lastN.pt)")
+    p.add_argument("--out", type=file_path, help="output file (default: RUN/checkpoints/average_lastN.pt)")
     p.add_argument(
-        "--as-best", action="store_true", help="also make it the run's best.pt (the old one is kept as best_single.pt)"
+        "--as-best",
+        action="store_true",
+        help="also make it the run's best.pt (training's best is kept as best_single.pt; an average that "
+        "best.pt held, as best_average.pt)",
     )
 
     p = sub.add_parser(
@@ -269,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, type=Path, action="append", help="run directory (repeatable)")
     p.add_argument(
         "--out",
-        type=Path,
+        type=file_path,
         help="output image: PNG, or the type its suffix names, e.g. .svg or .pdf (default: RUN/curves.png; several "
         "runs: compare.png)",
     )
@@ -735,12 +748,16 @@ def cmd_average(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
+    from mtx.checkpoint import any_runs_file
     from mtx.plot import plot_runs
 
     default = args.run[0] / "curves.png" if len(args.run) == 1 else Path("compare.png")
     if args.out is not None:
         _check_file_path("--out", args.out, "the image's file path")
     out = args.out or default
+    other_run = any_runs_file(out)  # a link into a run is written through (stop 57: metrics.jsonl, best.pt)
+    if other_run is not None:
+        raise MtxError(f"--out {out} is one of the files of the run {other_run}; give another path for the image")
     to_stdout = _is_stdout(out)  # the image itself goes there: no path after it
     written = plot_runs(args.run, out, args.x)
     if not to_stdout:

@@ -7,6 +7,8 @@ Plotting needs matplotlib, the optional extra `mtx[plot]`; comparing needs nothi
 from __future__ import annotations
 
 import bisect
+import contextlib
+import hashlib
 import io
 import itertools
 import json
@@ -76,16 +78,28 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
     return [str(Path(*p[-depth:])) for p in parts]
 
 
-def _validation_data(run_dir: Path) -> tuple[str, str, int] | None:
-    """(direction, val split, val sentences) of a run, from its config.yaml; None where unreadable."""
+def _validation_data(run_dir: Path) -> tuple[str, str, str, str | None] | None:
+    """(direction, val split, its sentences, a digest of those sentence pairs) of a run, from its
+    config.yaml and the val files it names; the digest is None where the files cannot be read
+    here, and the whole is None where the config cannot. (Stop 57: from the config alone, two runs
+    on different val files of one name looked alike, and `eval_sentences` 0 and 100 on a val
+    split of 100 looked different.)"""
     from mtx.config import load_run_config
+    from mtx.data import read_parallel, split_file
 
     try:
         cfg = load_run_config(run_dir)
     except MtxError:  # no config.yaml, or one that does not load
         return None
-    data = cfg.data
-    return f"{data.src_lang}->{data.tgt_lang}", data.valid_split, cfg.train.eval_sentences
+    data, n = cfg.data, cfg.train.eval_sentences
+    try:
+        files = (split_file(Path(data.dir), data.valid_split, lang) for lang in (data.src_lang, data.tgt_lang))
+        src, tgt = read_parallel(*files)
+    except (MtxError, OSError):
+        return f"{data.src_lang}->{data.tgt_lang}", data.valid_split, f"{n or 'all'}", None
+    pairs = list(zip(src, tgt, strict=True))[: n or None]
+    digest = hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:8]
+    return f"{data.src_lang}->{data.tgt_lang}", data.valid_split, str(len(pairs)), digest
 
 
 def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
@@ -130,19 +144,26 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
         ax.grid(alpha=0.3)
     fig.suptitle(", ".join(str(r) for r in run_dirs))
     fig.tight_layout()
+    made = [d for d in (out.parent, *out.parent.parents) if not d.exists()]  # removed again where it fails
     out.parent.mkdir(parents=True, exist_ok=True)
     image_type = out.suffix[1:].lower() or "png"
     try:
-        if not written_through(out):
-            fig.savefig(out, dpi=100, format=image_type)
-        else:  # a device or pipe, which matplotlib's PNG writer cannot seek in: the image made first
-            image = io.BytesIO()
-            fig.savefig(image, dpi=100, format=image_type)
-            with named_os_errors(str(out)), open(out, "wb") as f:  # (a full disk: the system's error names no file)
-                f.write(image.getvalue())
-    except (RuntimeError, ValueError) as e:  # matplotlib's own (stop 56: .pgf without LaTeX was a traceback)
-        lines = str(e).strip().splitlines() or [type(e).__name__]
-        raise MtxError(f"--out {out}: matplotlib cannot write it: {lines[0]}") from None
+        try:
+            if not written_through(out):
+                fig.savefig(out, dpi=100, format=image_type)
+            else:  # a device or pipe, which matplotlib's PNG writer cannot seek in: the image made first
+                image = io.BytesIO()
+                fig.savefig(image, dpi=100, format=image_type)
+                with named_os_errors(str(out)), open(out, "wb") as f:  # (a full disk: the system's error names no file)
+                    f.write(image.getvalue())
+        except (RuntimeError, ValueError) as e:  # matplotlib's own (stop 56: .pgf without LaTeX was a traceback)
+            lines = str(e).strip().splitlines() or [type(e).__name__]
+            raise MtxError(f"--out {out}: matplotlib cannot write it: {lines[0]}") from None
+    except BaseException:  # (stop 57: a failed plot left the directories it had made)
+        for directory in made:  # the deepest first
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
     finally:
         plt.close(fig)
     return out
@@ -219,9 +240,14 @@ def compare_runs(run_dirs: Sequence[Path]) -> list[str]:
     title = "val loss / greedy val BLEU at each validation of the first run; min: minutes of training"
     notes = []
     data = {label: _validation_data(run_dir) for label, run_dir in zip(labels, run_dirs, strict=True)}
-    if len({d for d in data.values() if d is not None}) > 1:
+    known = [d for d in data.values() if d is not None]
+    # where every run's val files were read, the sentences decide; else what the configs say
+    key = (lambda d: (d[0], d[3])) if all(d[3] for d in known) else (lambda d: d[:3])
+    if len({key(d) for d in known}) > 1:
         described = "; ".join(
-            f"{label}: {d[0]}, {d[1]} ({'all' if not d[2] else d[2]} sentences)" for label, d in data.items() if d
+            f"{label}: {d[0]}, {d[1]} ({d[2]} sentences{f', digest {d[3]}' if d[3] else ''})"
+            for label, d in data.items()
+            if d
         )
         notes.append(f"note: the runs validate on different data ({described}): their scores do not compare")
     return [title, *notes] + ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]

@@ -155,6 +155,8 @@ def choose(args: argparse.Namespace) -> None:
             f"{args.run}: data.valid_split is {split}, a test split; choose_on_val chooses on validation data "
             "only (a run that validates on val: data.valid_split: val)"
         )
+    if not data_dir.is_dir():  # (stop 57: "no val.de or val.de.gz")
+        raise MtxError(f"{args.run}: its data.dir {data_dir} is not a directory here; set it in the run's config.yaml")
     src, refs = read_parallel(
         split_file(data_dir, split, cfg.data.src_lang), split_file(data_dir, split, cfg.data.tgt_lang)
     )
@@ -194,9 +196,19 @@ def choose(args: argparse.Namespace) -> None:
     for n in sorted(set(args.ensemble)):
         if 2 <= n <= len(steps):
             add(f"ensemble of the last {n}", load_run(args.run, steps[-n:], device).model, steps[-n:])
+    for option, sizes in (("--last", args.last), ("--ensemble", args.ensemble)):
+        beyond = sorted(n for n in set(sizes) if n > len(steps))  # (stop 57: left out without a word)
+        if beyond:
+            print(
+                f"note: {option} {', '.join(map(str, beyond))}: more than the run's {len(steps)} step checkpoints; "
+                "left out",
+                file=sys.stderr,
+            )
     name = max(candidates, key=lambda k: candidates[k][2])
     model, chosen, bleu = candidates[name]
     penalties = {alpha: bleu}
+    if args.length_penalty or args.beam:  # (stop 57: the lines stood under the last candidate, not this one)
+        print(f"{name}, the best candidate, at other settings:")
     for a in args.length_penalty:
         if a not in penalties:
             penalties[a] = score(name, model, a)

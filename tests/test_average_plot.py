@@ -29,6 +29,7 @@ from mtx.errors import CheckpointError
 from mtx.train import config_text
 
 from .conftest import TINY_CONFIG, script_in_process
+from .test_cli import assert_one_line_error, mtx_here
 
 
 @pytest.fixture()
@@ -328,16 +329,22 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(
     run_copy: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     script = Path(__file__).resolve().parent.parent / "scripts" / "choose_on_val.py"
-    args = [sys.executable, str(script), "--run", str(run_copy), "--last", "2", "--length-penalty", "0.6,1.0"]
-    args += ["--beam", "1", "--ensemble", "2"]
+    args = [sys.executable, str(script), "--run", str(run_copy), "--last", "2,9", "--length-penalty", "0.6,1.0"]
+    args += ["--beam", "1", "--ensemble", "2,9"]
     done = subprocess.run([*args, "--apply"], capture_output=True, text=True, check=True)
     lines = done.stdout.splitlines()
+    # sizes beyond the run's step checkpoints are said to be left out (stop 57: without a word)
+    n = len(step_checkpoints(run_copy))
+    for option in ("--last", "--ensemble"):
+        assert f"note: {option} 9: more than the run's {n} step checkpoints; left out" in done.stderr
     assert any(line.startswith("best single") for line in lines)
     assert any(line.startswith("average of the last 2:") for line in lines)
     assert any(line.startswith("moving average (ema.pt, decay 0.99):") for line in lines)
     assert any(line.startswith("ensemble of the last 2:") for line in lines)
     choice = json.loads(lines[-1])
     assert choice["length_penalty"] in (0.6, 1.0)
+    scan = lines.index(f"{choice['chosen']}, the best candidate, at other settings:")
+    assert lines[scan + 1].startswith("  length penalty")
     penalties = [float(line.rsplit(": ", 1)[1]) for line in lines if line.startswith("  length penalty")]
     beams = [float(line.rsplit(": ", 1)[1]) for line in lines if line.startswith("  beam 1 (length penalty")]
     assert len(penalties) == 2 and len(beams) == 1
@@ -374,6 +381,13 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(
     code, _, err = script_in_process(script, ["--run", str(run_copy / "nowhere")], monkeypatch, capsys)
     assert code == 1 and err.strip().splitlines() == [
         f"choose_on_val: error: {run_copy / 'nowhere'}: run directory not found"
+    ]
+    gone = run_copy.parent / "gone"  # the run's data moved away (stop 57: "no val.de or val.de.gz")
+    (run_copy / "config.yaml").write_text(config_text(load_config(run_copy / "config.yaml", [f"data.dir={gone}"])))
+    code, _, err = script_in_process(script, run_args, monkeypatch, capsys)
+    assert code == 1 and err.strip().splitlines() == [
+        f"choose_on_val: error: {run_copy}: its data.dir {gone} is not a directory here; set it in the run's "
+        "config.yaml"
     ]
 
 
@@ -436,6 +450,45 @@ def test_compare_tells_apart_runs_of_one_name_and_says_when_their_val_data_diffe
     (second / "config.yaml").write_text(de_en)
     assert main(["compare", "--run", str(first), "--run", str(second)]) == 0
     assert not capsys.readouterr().out.splitlines()[1].startswith("note:")
+    # stop 57: by the val sentences, where both runs' files are here, not by what the configs say
+    for name, second_line in (("one", "Zwei Hunde."), ("two", "Drei Katzen.")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "val.de").write_text(f"Ein Hund.\n{second_line}\n")
+        (tmp_path / name / "val.en").write_text("A dog.\nTwo dogs.\n")
+
+    def configure(run: Path, data_dir: str, sentences: int) -> None:
+        sets = [f"data.dir={tmp_path / data_dir}", f"train.eval_sentences={sentences}"]
+        (run / "config.yaml").write_text(config_text(load_config(TINY_CONFIG, sets)))
+
+    configure(first, "one", 0)
+    configure(second, "one", 2)  # all of val, said otherwise: the same sentences, no note
+    assert main(["compare", "--run", str(first), "--run", str(second)]) == 0
+    assert not capsys.readouterr().out.splitlines()[1].startswith("note:")
+    configure(second, "two", 0)  # val files of one name with other sentences: a note
+    assert main(["compare", "--run", str(first), "--run", str(second)]) == 0
+    note = capsys.readouterr().out.splitlines()[1]
+    assert note.startswith("note: the runs validate on different data (a/base: de->en, val (2 sentences, digest ")
+
+
+def test_plot_never_writes_over_a_runs_file_nor_takes_a_directory_for_a_file(
+    run_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop 57: `--out` a link to a run's metrics.jsonl or best.pt was written through, a PNG in
+    their place; `--out figs/` wrote figs.png, `average --out avgs/` a file named avgs."""
+    for name in ("metrics.jsonl", "checkpoints/best.pt"):
+        link = tmp_path / f"{name.replace('/', '_')}.png"
+        link.symlink_to(run_copy / name)
+        before = (run_copy / name).read_bytes()
+        r = mtx_here(monkeypatch, "plot", "--run", str(run_copy), "--out", str(link))
+        assert_one_line_error(r, f"--out {link} is one of the files of the run {run_copy}")
+        assert (run_copy / name).read_bytes() == before
+    for argv in (["plot", "--run", str(run_copy)], ["average", "--run", str(run_copy), "--last", "2"]):
+        r = mtx_here(monkeypatch, *argv, "--out", f"{tmp_path}/figs/")
+        assert r.returncode == 2 and r.stderr.decode().splitlines() == [
+            f"mtx: error: argument --out: '{tmp_path}/figs/' ends in '/', a directory; give a file path "
+            f"(see mtx {argv[0]} --help)"
+        ]
+    assert not (tmp_path / "figs").exists() and not (tmp_path / "figs.png").exists()
 
 
 def test_plot_draws_several_runs_against_time(tmp_path: Path) -> None:
@@ -478,4 +531,7 @@ def test_a_type_matplotlib_fails_to_write_is_a_one_line_error(
     assert main(["plot", "--run", str(run), "--out", str(earlier)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "curves.pgf: matplotlib cannot write it: 'xelatex' not found" in err, err
+    # the directories it made for the image go again (stop 57: they stayed)
+    assert main(["plot", "--run", str(run), "--out", str(tmp_path / "sub" / "dir" / "y.pgf")]) == 1
+    assert "matplotlib cannot write it" in capsys.readouterr().err and not (tmp_path / "sub").exists()
     assert earlier.read_text() == "kept"
