@@ -63,20 +63,16 @@ class ReferenceTransformer(nn.Module):
         self.scale = math.sqrt(cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
         with _quiet_reference():
-            self.transformer = self._transformer(cfg)
-
-    @staticmethod
-    def _transformer(cfg: ModelConfig) -> nn.Transformer:
-        return nn.Transformer(
-            d_model=cfg.d_model,
-            nhead=cfg.n_heads,
-            num_encoder_layers=cfg.n_encoder_layers,
-            num_decoder_layers=cfg.n_decoder_layers,
-            dim_feedforward=cfg.d_ff,
-            dropout=cfg.dropout,
-            batch_first=True,
-            norm_first=cfg.pre_norm,
-        )
+            self.transformer = nn.Transformer(
+                d_model=cfg.d_model,
+                nhead=cfg.n_heads,
+                num_encoder_layers=cfg.n_encoder_layers,
+                num_decoder_layers=cfg.n_decoder_layers,
+                dim_feedforward=cfg.d_ff,
+                dropout=cfg.dropout,
+                batch_first=True,
+                norm_first=cfg.pre_norm,
+            )
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.embed(ids) * self.scale + self.positions[: ids.shape[1]])
