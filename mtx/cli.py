@@ -146,8 +146,12 @@ class _Parser(argparse.ArgumentParser):
         """argparse's, except that an unknown option points to its command's help, not mtx's."""
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
+            argv = list(sys.argv[1:] if args is None else args)
+            command = getattr(namespace, "command", None)
             commands = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
-            commands.get(getattr(namespace, "command", None), self).error(f"unrecognized arguments: {' '.join(extras)}")
+            before = command in argv and extras[0] in argv and argv.index(extras[0]) < argv.index(command)
+            parser = self if before else commands.get(command, self)  # `mtx --bogus train`: mtx's own options
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace
 
 

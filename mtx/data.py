@@ -75,7 +75,8 @@ def split_file(data_dir: Path, split: str, lang: str) -> Path:
     for odd in (data_dir / f"{split}.{lang}", packed):  # (stop 57: "no train.de or train.de.gz" for a directory)
         if odd.exists() or odd.is_symlink():
             raise DataError(
-                f"{odd}: not a file (a directory or a broken link); {split}.{lang} is read from a text file"
+                f"{odd}: not a regular file (a directory, a broken link or a device); {split}.{lang} is read "
+                "from a text file"
             )
     raise DataError(
         f"{data_dir}: no {split}.{lang} or {split}.{lang}.gz (split {split!r} missing, or language {lang!r} not in it)"

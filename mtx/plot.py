@@ -78,12 +78,13 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
     return [str(Path(*p[-depth:])) for p in parts]
 
 
-def _validation_data(run_dir: Path) -> tuple[str, str, str, str | None] | None:
-    """(direction, val split, its sentences, a digest of those sentence pairs) of a run, from its
-    config.yaml and the val files it names; the digest is None where the files cannot be read
-    here, and the whole is None where the config cannot. (Stop 57: from the config alone, two runs
-    on different val files of one name looked alike, and `eval_sentences` 0 and 100 on a val
-    split of 100 looked different.)"""
+def _validation_data(run_dir: Path) -> tuple[str, str, int, str, str | None] | None:
+    """(direction, val split, train.eval_sentences, the sentences validated on, a digest of those
+    sentence pairs) of a run, from its config.yaml and the val files it names; the digest is None
+    where the files cannot be read here (or `data.dir` is not an absolute path, which would be
+    read from here), and the whole is None where the config cannot be. (Stop 57: from the config
+    alone, two runs on different val files of one name looked alike, and `eval_sentences` 0 and
+    100 on a val split of 100 looked different.)"""
     from mtx.config import load_run_config
     from mtx.data import read_parallel, split_file
 
@@ -92,14 +93,17 @@ def _validation_data(run_dir: Path) -> tuple[str, str, str, str | None] | None:
     except MtxError:  # no config.yaml, or one that does not load
         return None
     data, n = cfg.data, cfg.train.eval_sentences
+    direction = f"{data.src_lang}->{data.tgt_lang}"
     try:
+        if not Path(data.dir).is_absolute():
+            raise OSError("a data.dir relative to where training ran")
         files = (split_file(Path(data.dir), data.valid_split, lang) for lang in (data.src_lang, data.tgt_lang))
         src, tgt = read_parallel(*files)
     except (MtxError, OSError):
-        return f"{data.src_lang}->{data.tgt_lang}", data.valid_split, f"{n or 'all'}", None
+        return direction, data.valid_split, n, f"{n or 'all'}", None
     pairs = list(zip(src, tgt, strict=True))[: n or None]
     digest = hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:8]
-    return f"{data.src_lang}->{data.tgt_lang}", data.valid_split, str(len(pairs)), digest
+    return direction, data.valid_split, n, str(len(pairs)), digest
 
 
 def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
@@ -242,10 +246,10 @@ def compare_runs(run_dirs: Sequence[Path]) -> list[str]:
     data = {label: _validation_data(run_dir) for label, run_dir in zip(labels, run_dirs, strict=True)}
     known = [d for d in data.values() if d is not None]
     # where every run's val files were read, the sentences decide; else what the configs say
-    key = (lambda d: (d[0], d[3])) if all(d[3] for d in known) else (lambda d: d[:3])
+    key = (lambda d: (d[0], d[4])) if all(d[4] for d in known) else (lambda d: d[:3])
     if len({key(d) for d in known}) > 1:
         described = "; ".join(
-            f"{label}: {d[0]}, {d[1]} ({d[2]} sentences{f', digest {d[3]}' if d[3] else ''})"
+            f"{label}: {d[0]}, {d[1]} ({d[3]} sentences{f', digest {d[4]}' if d[4] else ''})"
             for label, d in data.items()
             if d
         )

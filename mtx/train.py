@@ -1405,7 +1405,9 @@ class Trainer:
             len(self.valid_ids),
             100 * pad,
         )
-        if self.amp == torch.bfloat16 and (how := slow_bf16(self.device)):  # (stop 57: 9.5x as slow on Zen 3)
+        if (
+            tc.amp == "bf16" and self.amp == torch.bfloat16 and (how := slow_bf16(self.device))
+        ):  # (stop 57: 9.5x, Zen 3)
             log.warning("bf16 products run %s on this CPU: train.amp fp32 trains faster", how)
         if self.ranks.world_size > 1:
             log.info(

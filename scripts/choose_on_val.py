@@ -132,6 +132,10 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     parser.add_argument("--apply", action="store_true", help="make the chosen average the run's best.pt")
     args = parser.parse_args()
+    # the sizes asked for, whose absence is noted (the defaults suit a longer run than most)
+    args.asked = {
+        d: getattr(args, d) for d in ("last", "ensemble") if getattr(args, d) != counts(parser.get_default(d))
+    }
     if any(n < 2 for n in args.ensemble):
         parser.error(f"argument --ensemble: an ensemble has at least 2 checkpoints, got {args.ensemble}")
     torch.set_num_threads(args.threads)
@@ -196,11 +200,11 @@ def choose(args: argparse.Namespace) -> None:
     for n in sorted(set(args.ensemble)):
         if 2 <= n <= len(steps):
             add(f"ensemble of the last {n}", load_run(args.run, steps[-n:], device).model, steps[-n:])
-    for option, sizes in (("--last", args.last), ("--ensemble", args.ensemble)):
+    for option, sizes in getattr(args, "asked", {}).items():
         beyond = sorted(n for n in set(sizes) if n > len(steps))  # (stop 57: left out without a word)
         if beyond:
             print(
-                f"note: {option} {', '.join(map(str, beyond))}: more than the run's {len(steps)} step checkpoints; "
+                f"note: --{option} {', '.join(map(str, beyond))}: more than the run's {len(steps)} step checkpoints; "
                 "left out",
                 file=sys.stderr,
             )

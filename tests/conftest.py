@@ -196,7 +196,7 @@ def script_in_process(
     loggers[1].setLevel(logging.NOTSET)
     for logger in loggers:
         logger.handlers.clear()
-    threads = torch.get_num_threads()
+    threads, rng = torch.get_num_threads(), torch.get_rng_state()  # (bench_train seeds torch's generator)
     try:
         runpy.run_path(str(script), run_name="__main__")
         code = 0
@@ -204,6 +204,7 @@ def script_in_process(
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
         for logger, level, handlers in saved:
             logger.setLevel(level)
             logger.handlers[:] = handlers

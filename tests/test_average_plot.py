@@ -468,6 +468,9 @@ def test_compare_tells_apart_runs_of_one_name_and_says_when_their_val_data_diffe
     assert main(["compare", "--run", str(first), "--run", str(second)]) == 0
     note = capsys.readouterr().out.splitlines()[1]
     assert note.startswith("note: the runs validate on different data (a/base: de->en, val (2 sentences, digest ")
+    configure(second, "moved", 0)  # files not here: the configs' settings decide, alike
+    assert main(["compare", "--run", str(first), "--run", str(second)]) == 0
+    assert not capsys.readouterr().out.splitlines()[1].startswith("note:")
 
 
 def test_plot_never_writes_over_a_runs_file_nor_takes_a_directory_for_a_file(

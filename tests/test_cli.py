@@ -139,6 +139,7 @@ def test_usage_mistakes_are_one_line_that_points_to_the_commands_help(monkeypatc
     cases = [
         (["translate", "--beam", "x", "a"], "argument --beam: invalid int value: 'x' (see mtx translate --help)"),
         (["eval", "--run", "r", "--bogus", "x"], "unrecognized arguments: --bogus x (see mtx eval --help)"),
+        (["--bogus", "eval", "--run", "r"], "unrecognized arguments: --bogus (see mtx --help)"),
         (["translate", "a"], "the following arguments are required: --run (see mtx translate --help)"),
         (["trian"], "argument COMMAND: invalid choice: 'trian' (choose from 'train', "),
     ]
@@ -397,9 +398,7 @@ def test_output_paths_that_are_not_files_or_not_what_the_command_takes_are_one_l
             assert_one_line_error(full, "standard output: No space left on device")
 
 
-def test_standard_streams_closed_or_named_as_files(
-    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_standard_streams_closed_or_named_as_files(tiny_run: Path, tmp_path: Path) -> None:
     """stop 54: a closed standard input or output was a traceback; eval --output /dev/stdout with
     stdout redirected to a file wrote the hypotheses from the file's start, and the scores over
     them; plot --out /dev/stdout wrote /dev/stdout.png."""
@@ -421,9 +420,7 @@ def test_standard_streams_closed_or_named_as_files(
         done = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, cwd=REPO, env=_child_env(), timeout=600)
     assert done.returncode == 0, done.stderr.decode()
     lines = (tmp_path / "all.txt").read_text().splitlines()
-    hyps = mtx_here(
-        monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", stdin=(tmp_path / "s.de").read_bytes()
-    )
+    hyps = mtx("translate", "--run", str(tiny_run), "--beam", "1", stdin=(tmp_path / "s.de").read_bytes())
     assert lines[:3] == hyps.stdout.decode().splitlines() and lines[3].startswith("s.de de-en beam 1")
     assert lines[-1] == "hypotheses: /dev/stdout"
     dash = mtx("eval", "--run", str(tiny_run), *files, "--output", "-", cwd=tmp_path)  # "-": standard output too

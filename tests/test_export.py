@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -128,13 +127,16 @@ def test_export_command_and_its_refusals(tiny_run: Path, tmp_path: Path, monkeyp
     host = socket.gethostname()
     (tmp_path / f".old.partial-{host}-{gone.pid}").mkdir()
     (tmp_path / f".old.partial-{host}-{gone.pid}" / "model.bin").write_bytes(b"x" * 1000)
-    kept = [f".busy.partial-{host}-{os.getpid()}", f".other.partial-elsewhere-{gone.pid}"]
+    busy = subprocess.Popen(["sleep", "600"])  # another export that still runs (not this process: the export runs here)
+    kept = [f".busy.partial-{host}-{busy.pid}", f".other.partial-elsewhere-{gone.pid}"]
     for name in kept:
         (tmp_path / name).mkdir()
     r = mtx_here(
         monkeypatch, "export", "--run", str(tiny_run), "--out", str(tmp_path / "ct2"), "--quantization", "int8"
     )
     assert r.returncode == 0, r.stderr.decode()
+    busy.kill()
+    busy.wait()
     assert sorted(p.name for p in tmp_path.glob(".*partial*")) == sorted(kept)
     for name in kept:
         (tmp_path / name).rmdir()

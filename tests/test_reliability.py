@@ -839,7 +839,7 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
     (
         "a data file that is a directory (stop 57: 'no val.en or val.en.gz')",
         lambda t, d, r: (tiny_args(_data_copy(d, t / "d", lambda p: _directory_instead(p / "val.en")), t / "r"), None),
-        ("val.en: not a file (a directory or a broken link)",),
+        ("val.en: not a regular file (a directory, a broken link or a device)",),
     ),
     (
         "empty line in data",
