@@ -536,11 +536,21 @@ def _same_file(path: Path, others: Iterable[Path | None]) -> bool:
     return path.exists() and any(o is not None and o.exists() and path.samefile(o) for o in others)
 
 
+def _not_a_runs_file(path: Path, named: str, fix: str, own_run: Path | None = None) -> None:
+    """`path` (`named` so in the error) must be no run's own file or checkpoint, a link into one
+    included (it is written through), except for files in `own_run`: eval's, average's and plot's
+    outputs (stop 54: another run's last.pt was written over; stop 57: plot's, a run's best.pt)."""
+    from mtx.checkpoint import any_runs_file
+
+    other_run = any_runs_file(path)
+    if other_run is not None and not (own_run is not None and _same_file(other_run, [own_run])):
+        raise MtxError(f"{named} is one of the files of the run {other_run}; {fix}")
+
+
 def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> None:
     """Before decoding, so that a bad output path fails at once: `output` must be a file path in a
     writable directory (created if missing), none of the files this command reads (`inputs`:
     what each is -> paths), and no run's own file or checkpoint; `-` is standard output."""
-    from mtx.checkpoint import any_runs_file
     from mtx.plot import written_through
 
     if str(output) == "-":
@@ -549,11 +559,7 @@ def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> Non
     for what, paths in inputs.items():
         if _same_file(output, paths):
             raise MtxError(f"the hypotheses file {output} is {what}; pass --output with another path")
-    other_run = any_runs_file(output)
-    if other_run is not None:
-        raise MtxError(
-            f"the hypotheses file {output} is one of the files of the run {other_run}; pass --output with another path"
-        )
+    _not_a_runs_file(output, f"the hypotheses file {output}", "pass --output with another path")
     output.parent.mkdir(parents=True, exist_ok=True)
     if written_through(output):  # a device, pipe or link: it is opened as it is, not replaced
         return
@@ -725,7 +731,7 @@ def _interval(mean: float | None, ci: float | None) -> str:
 
 
 def cmd_average(args: argparse.Namespace) -> int:
-    from mtx.checkpoint import any_runs_file, average_run, run_files
+    from mtx.checkpoint import average_run, run_files
 
     if args.out is not None:
         _check_file_path("--out", args.out, "the average's file path")
@@ -733,11 +739,7 @@ def cmd_average(args: argparse.Namespace) -> int:
             raise MtxError(f"--out {args.out} is not a regular file; give a file path for the average")
         if _same_file(args.out, run_files(args.run)):
             raise MtxError(f"--out {args.out} is one of the run's own files; give another path for the average")
-        other_run = any_runs_file(args.out)
-        if other_run is not None and not _same_file(other_run, [args.run]):
-            raise MtxError(
-                f"--out {args.out} is one of the files of the run {other_run}; give another path for the average"
-            )
+        _not_a_runs_file(args.out, f"--out {args.out}", "give another path for the average", own_run=args.run)
     out, chosen = average_run(args.run, args.last, args.out, args.as_best)
     print(f"averaged {len(chosen)} checkpoints ({', '.join(p.name for p in chosen)}) into {out}")
     if len(chosen) < args.last:
@@ -752,16 +754,13 @@ def cmd_average(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from mtx.checkpoint import any_runs_file
     from mtx.plot import plot_runs
 
     default = args.run[0] / "curves.png" if len(args.run) == 1 else Path("compare.png")
     if args.out is not None:
         _check_file_path("--out", args.out, "the image's file path")
     out = args.out or default
-    other_run = any_runs_file(out)  # a link into a run is written through (stop 57: metrics.jsonl, best.pt)
-    if other_run is not None:
-        raise MtxError(f"--out {out} is one of the files of the run {other_run}; give another path for the image")
+    _not_a_runs_file(out, f"--out {out}", "give another path for the image")
     to_stdout = _is_stdout(out)  # the image itself goes there: no path after it
     written = plot_runs(args.run, out, args.x)
     if not to_stdout:

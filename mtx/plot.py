@@ -14,7 +14,7 @@ import itertools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from mtx.errors import MtxError, named_os_errors
 
@@ -78,9 +78,16 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
     return [str(Path(*p[-depth:])) for p in parts]
 
 
-def _validation_data(run_dir: Path) -> tuple[str, str, int, str, str | None] | None:
-    """(direction, val split, train.eval_sentences, the sentences validated on, a digest of those
-    sentence pairs) of a run, from its config.yaml and the val files it names; the digest is None
+class _ValData(NamedTuple):
+    direction: str
+    split: str
+    asked: int  # train.eval_sentences (0: all)
+    sentences: str  # those validated on, counted where the files are here ("all" where not)
+    digest: str | None  # of those sentence pairs; None where the files cannot be read here
+
+
+def _validation_data(run_dir: Path) -> _ValData | None:
+    """What a run validates on, from its config.yaml and the val files it names; the digest is None
     where the files cannot be read here (or `data.dir` is not an absolute path, which would be
     read from here), and the whole is None where the config cannot be. (Stop 57: from the config
     alone, two runs on different val files of one name looked alike, and `eval_sentences` 0 and
@@ -100,10 +107,10 @@ def _validation_data(run_dir: Path) -> tuple[str, str, int, str, str | None] | N
         files = (split_file(Path(data.dir), data.valid_split, lang) for lang in (data.src_lang, data.tgt_lang))
         src, tgt = read_parallel(*files)
     except (MtxError, OSError):
-        return direction, data.valid_split, n, f"{n or 'all'}", None
+        return _ValData(direction, data.valid_split, n, f"{n or 'all'}", None)
     pairs = list(zip(src, tgt, strict=True))[: n or None]
     digest = hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:8]
-    return direction, data.valid_split, n, str(len(pairs)), digest
+    return _ValData(direction, data.valid_split, n, str(len(pairs)), digest)
 
 
 def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
@@ -246,10 +253,10 @@ def compare_runs(run_dirs: Sequence[Path]) -> list[str]:
     data = {label: _validation_data(run_dir) for label, run_dir in zip(labels, run_dirs, strict=True)}
     known = [d for d in data.values() if d is not None]
     # where every run's val files were read, the sentences decide; else what the configs say
-    key = (lambda d: (d[0], d[4])) if all(d[4] for d in known) else (lambda d: d[:3])
-    if len({key(d) for d in known}) > 1:
+    by_digest = all(d.digest for d in known)
+    if len({(d.direction, d.digest) if by_digest else (d.direction, d.split, d.asked) for d in known}) > 1:
         described = "; ".join(
-            f"{label}: {d[0]}, {d[1]} ({d[3]} sentences{f', digest {d[4]}' if d[4] else ''})"
+            f"{label}: {d.direction}, {d.split} ({d.sentences} sentences{f', digest {d.digest}' if d.digest else ''})"
             for label, d in data.items()
             if d
         )
