@@ -6,6 +6,7 @@ User mistakes end as one line `mtx: error: ...` on stderr and a non-zero exit co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -549,7 +550,7 @@ def _not_a_runs_file(path: Path, named: str, fix: str, own_run: Path | None = No
 
 def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> None:
     """Before decoding, so that a bad output path fails at once: `output` must be a file path in a
-    writable directory (created if missing), none of the files this command reads (`inputs`:
+    writable directory (or one to be made), none of the files this command reads (`inputs`:
     what each is -> paths), and no run's own file or checkpoint; `-` is standard output."""
     from mtx.plot import written_through
 
@@ -560,10 +561,11 @@ def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> Non
         if _same_file(output, paths):
             raise MtxError(f"the hypotheses file {output} is {what}; pass --output with another path")
     _not_a_runs_file(output, f"the hypotheses file {output}", "pass --output with another path")
-    output.parent.mkdir(parents=True, exist_ok=True)
     if written_through(output):  # a device, pipe or link: it is opened as it is, not replaced
         return
-    if not os.access(output.parent, os.W_OK | os.X_OK):
+    # the directory, or the nearest one above it where it is to be made (`parent_directories`)
+    nearest = next(d for d in (output.parent, *output.parent.parents) if d.exists())
+    if not os.access(nearest, os.W_OK | os.X_OK):
         raise MtxError(f"--output {output}: cannot write to {output.parent}")
 
 
@@ -601,7 +603,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
     from mtx.checkpoint import atomic_write_text, checkpoint_dir, run_files
     from mtx.data import eval_split_files, read_lines, read_parallel, warn_unless_nfc
-    from mtx.plot import written_through
+    from mtx.plot import parent_directories, written_through
     from mtx.search import translate
 
     # the data and the other systems' outputs are checked before the model is loaded
@@ -645,30 +647,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "one of the run's own files": run_files(args.run),
         },
     )
-    with _progress_bar(f"decoding {name}", len(src)) as bar:
-        text = translate(
-            run.model,
-            run.tgt_tok,
-            run.src_tok.encode_batch(src),
-            beam,
-            alpha,
-            cfg.decode.max_len_a,
-            cfg.decode.max_len_b,
-            batch_tokens,
-            use_cache=not args.no_cache,
-            workers=workers,
-            stop=stop,
-            progress=bar.update,
-        )
-    if to_stdout or _is_stdout(output):  # opened again, it would be written from its start (stop 54)
-        with named_os_errors("standard output"):
-            sys.stdout.write("".join(t + "\n" for t in text))
-            sys.stdout.flush()
-    elif written_through(output):
-        with named_os_errors(str(output)), open(output, "w", encoding="utf-8") as f:
-            f.write("".join(t + "\n" for t in text))
-    else:
-        atomic_write_text(output, "".join(t + "\n" for t in text))
+    # the directories made for the hypotheses file go again if decoding or writing fails
+    with contextlib.nullcontext() if to_stdout else parent_directories(output):
+        with _progress_bar(f"decoding {name}", len(src)) as bar:
+            text = translate(
+                run.model,
+                run.tgt_tok,
+                run.src_tok.encode_batch(src),
+                beam,
+                alpha,
+                cfg.decode.max_len_a,
+                cfg.decode.max_len_b,
+                batch_tokens,
+                use_cache=not args.no_cache,
+                workers=workers,
+                stop=stop,
+                progress=bar.update,
+            )
+        if to_stdout or _is_stdout(output):  # opened again, it would be written from its start (stop 54)
+            with named_os_errors("standard output"):
+                sys.stdout.write("".join(t + "\n" for t in text))
+                sys.stdout.flush()
+        elif written_through(output):
+            with named_os_errors(str(output)), open(output, "w", encoding="utf-8") as f:
+                f.write("".join(t + "\n" for t in text))
+        else:
+            atomic_write_text(output, "".join(t + "\n" for t in text))
     scores = corpus_scores(text, ref, bootstrap=args.bootstrap)
     paired = paired_tests(text, others, ref, samples) if others else []
     result: dict[str, object] = {

@@ -12,7 +12,7 @@ import hashlib
 import io
 import itertools
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -155,11 +155,9 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
         ax.grid(alpha=0.3)
     fig.suptitle(", ".join(str(r) for r in run_dirs))
     fig.tight_layout()
-    made = [d for d in (out.parent, *out.parent.parents) if not d.exists()]  # removed again where it fails
-    out.parent.mkdir(parents=True, exist_ok=True)
     image_type = out.suffix[1:].lower() or "png"
     try:
-        try:
+        with parent_directories(out):  # (stop 57: a failed plot left the directories it had made)
             if not written_through(out):
                 fig.savefig(out, dpi=100, format=image_type)
             else:  # a device or pipe, which matplotlib's PNG writer cannot seek in: the image made first
@@ -167,17 +165,27 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
                 fig.savefig(image, dpi=100, format=image_type)
                 with named_os_errors(str(out)), open(out, "wb") as f:  # (a full disk: the system's error names no file)
                     f.write(image.getvalue())
-        except (RuntimeError, ValueError) as e:  # matplotlib's own (stop 56: .pgf without LaTeX was a traceback)
-            lines = str(e).strip().splitlines() or [type(e).__name__]
-            raise MtxError(f"--out {out}: matplotlib cannot write it: {lines[0]}") from None
-    except BaseException:  # (stop 57: a failed plot left the directories it had made)
-        for directory in made:  # the deepest first
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-        raise
+    except (RuntimeError, ValueError) as e:  # matplotlib's own (stop 56: .pgf without LaTeX was a traceback)
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        raise MtxError(f"--out {out}: matplotlib cannot write it: {lines[0]}") from None
     finally:
         plt.close(fig)
     return out
+
+
+@contextlib.contextmanager
+def parent_directories(path: Path) -> Iterator[None]:
+    """Make `path`'s missing parent directories for the block; where the block fails, remove
+    those it made again (the ones still empty), so that a failed command leaves none behind."""
+    made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]  # the deepest first
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for directory in made:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
 
 
 def written_through(path: Path) -> bool:

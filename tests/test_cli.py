@@ -338,6 +338,32 @@ def test_paths_that_cannot_be_written_are_one_line_errors(
     assert blocker.read_text() == "x"
 
 
+def test_eval_that_fails_leaves_no_directories_it_made(
+    tmp_path: Path, tiny_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decoding interrupted (Ctrl-C) after the directories for --output were made: they go again
+    (stop 58: an empty `out/sub/` stayed), and one that was there stays; a finished eval keeps them."""
+    import mtx.search
+
+    def interrupted(*args: object, **kwargs: object) -> list[str]:
+        raise KeyboardInterrupt
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with monkeypatch.context() as patch:
+        patch.setattr(mtx.search, "translate", interrupted)
+        for parent in (tmp_path / "out" / "sub", kept / "sub"):
+            r = mtx_here(
+                monkeypatch, "eval", "--run", str(tiny_run), "--split", "val", "--output", str(parent / "h.en")
+            )
+            assert r.returncode == 130 and r.stderr.decode() == "mtx: interrupted\n", r.stderr.decode()
+    assert not (tmp_path / "out").exists() and sorted(tmp_path.iterdir()) == [kept] and not any(kept.iterdir())
+    r = mtx_here(
+        monkeypatch, "eval", "--run", str(tiny_run), "--split", "val", "--output", str(tmp_path / "new" / "h.en")
+    )
+    assert r.returncode == 0 and (tmp_path / "new" / "h.en").is_file()
+
+
 def test_output_paths_that_are_not_files_or_not_what_the_command_takes_are_one_line_errors(
     tmp_path: Path, small_data: Path, tiny_run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
