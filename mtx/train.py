@@ -4,8 +4,8 @@
 optimizer, scaler, RNG states, step, epoch and batch position) goes into `last.pt`.
 
 Launched by `torchrun` with WORLD_SIZE > 1, every process trains one replica under
-DistributedDataParallel on its share of each epoch's batches; rank 0 alone validates and
-writes the run directory.
+DistributedDataParallel on its share of each epoch's batches and of each validation; rank 0
+alone writes the run directory.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def pick_device(name: str, key: str = "train.device") -> torch.device:
 
 
 # Collectives wait this long for a rank before the job fails instead of hanging; the longest
-# legitimate wait is the other ranks waiting for rank 0's validation.
+# legitimate waits are for rank 0's work alone: checkpoint writes and scoring the val translations.
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 
 
@@ -1203,32 +1203,47 @@ class Trainer:
         """At the start of an epoch: with train.diversify, once that fraction of the budget is
         used, the model translates train both ways, and this epoch and every later one add the
         synthetic pairs to the real ones (data diversification, Nguyen et al., 2020). The pairs
-        are made on rank 0, sent to the others and saved in last.pt, so a resume reuses them."""
+        are made by all ranks together (`_translate_train`) and saved in last.pt, so a resume
+        reuses them."""
         st, tc = self.state, self.cfg.train
         if not tc.diversify or st.diversified_epoch >= 0:
             return
         if not self._from_main(budget_used(st.step, tc, st.elapsed) >= tc.diversify):
             return
-        self.synthetic, st.diversified_epoch = self._ids_from_main(self._translate_train), st.epoch
+        self.synthetic, st.diversified_epoch = self._translate_train(), st.epoch
 
     @torch.no_grad()
     def _translate_train(self) -> ParallelIds:
         """(src, its translation) and (tgt's back-translation, tgt) for every training pair:
         greedy, with the moving average's weights when train.ema keeps one. Empty outputs and
-        outputs longer than data.max_len are left out."""
+        outputs longer than data.max_len are left out.
+
+        Under DDP every rank translates every world_size-th sentence with rank 0's teacher (the
+        moving average lives on rank 0) and all ranks put the translations together in order."""
         start = time.perf_counter()
+        world = self.ranks.world_size
         teacher = self.model
-        if self.ema is not None:
+        if self.cfg.train.ema:
             teacher = copy.deepcopy(self.model)
-            teacher.load_state_dict(self.ema.model_state())
+            if self.ema is not None:  # rank 0
+                teacher.load_state_dict(self.ema.model_state())
+            if world > 1:  # in place: a state_dict's tensors are the module's own
+                for tensor in teacher.state_dict().values():
+                    dist.broadcast(tensor, src=0)
         dc, real = self.cfg.decode, self.train_ids
         limit = self.cfg.data.max_len or 10**9
 
         def greedy(sentences: list[list[int]]) -> list[list[int]]:
+            share = sentences[self.ranks.rank :: world]
             hyps = translate_ids(
-                teacher, sentences, 1, 0.0, dc.max_len_a, dc.max_len_b, dc.batch_tokens, workers=dc.workers
+                teacher, share, 1, 0.0, dc.max_len_a, dc.max_len_b, dc.batch_tokens, workers=dc.workers
             )
-            return [h[0].tokens for h in hyps]
+            outputs = [h[0].tokens for h in hyps]
+            if world == 1:
+                return outputs
+            shares: list[Any] = [None] * world  # each rank's list of outputs
+            dist.all_gather_object(shares, outputs)
+            return [shares[i % world][i // world] for i in range(len(sentences))]
 
         def kept(outputs: list[list[int]]) -> list[int]:
             return [i for i, out in enumerate(outputs) if 0 < len(out) <= limit]
@@ -1328,11 +1343,18 @@ class Trainer:
 
     # -- validation ------------------------------------------------------------------------
     @torch.no_grad()
-    def validate(self) -> dict[str, float]:
-        """Teacher-forced val loss (no smoothing) and greedy val BLEU/chrF as `mtx eval` scores."""
+    def validate(self) -> dict[str, float] | None:
+        """Teacher-forced val loss (no smoothing) and greedy val BLEU/chrF as `mtx eval` scores.
+
+        Under DDP every rank takes every world_size-th val sentence, and rank 0 gathers the
+        translations in order and scores them, so the job validates world_size times faster with
+        the same BLEU as one process (a sentence's translation does not depend on its batch); the
+        loss sums are added up. Rank 0 gets the scores, the other ranks None."""
         self.model.eval()
+        world = self.ranks.world_size
+        share = slice(self.ranks.rank, None, world)
         loss_sum, n_tokens = 0.0, 0
-        rows = self.valid_loss_rows
+        rows = self.valid_loss_rows[share]
         for indices in plan_batches(
             self.valid_ids.src_lens[rows], self.valid_ids.tgt_lens[rows], self.cfg.train.batch_tokens
         ):
@@ -1341,10 +1363,11 @@ class Trainer:
                 loss_sum += label_smoothed_loss(self.model, batch, 0.0).item()
             n_tokens += batch.n_tgt_tokens
         dc = self.cfg.decode
+        src_ids = self.valid_ids.src_ids
         text = translate(
             self.model,
             self.tgt_tok,
-            self.valid_ids.src_ids,
+            src_ids[share],
             1,
             dc.length_penalty,
             dc.max_len_a,
@@ -1352,6 +1375,15 @@ class Trainer:
             dc.batch_tokens,
             workers=dc.workers,
         )
+        if world > 1:
+            totals = torch.tensor([loss_sum, n_tokens], dtype=torch.float64, device=self.device)
+            dist.all_reduce(totals)
+            loss_sum, n_tokens = totals[0].item(), int(totals[1].item())
+            shares: list[Any] = [None] * world  # each rank's list of translations
+            dist.all_gather_object(shares, text)
+            if not self.ranks.is_main:
+                return None
+            text = [shares[i % world][i // world] for i in range(len(src_ids))]
         scores = corpus_scores(text, self.valid_refs)
         return {"val_loss": loss_sum / n_tokens, "val_bleu": scores.bleu, "val_chrf": scores.chrf}
 
@@ -1362,7 +1394,7 @@ class Trainer:
         A stop signal saves last.pt and raises Interrupted.
 
         Under DDP every rank runs this loop in step: the same number of batches per epoch, the
-        stop signal agreed at each step, validation on rank 0 while the others wait."""
+        stop signal agreed at each step, validation shared out and scored on rank 0."""
         from tqdm import tqdm
 
         if stop is None:
@@ -1568,12 +1600,13 @@ class Trainer:
     def _evaluate(self, metrics: Any) -> bool:
         """Validate, log, save step/best/last checkpoints; True when patience ran out.
 
-        Validation runs once, on rank 0; the other ranks wait for its patience verdict."""
+        Every rank validates its share (`validate`); rank 0 scores, logs and saves, and the
+        others wait for its patience verdict."""
         st = self.state
         out_of_patience = False
         st.validated_step = st.step
-        if self.ranks.is_main:
-            result = self.validate()
+        result = self.validate()
+        if result is not None:  # rank 0
             record = {"event": "valid", "step": st.step, "epoch": st.epoch, **result, "elapsed_s": st.elapsed}
             self._save_step_and_best(result["val_bleu"])
             record["best_bleu"] = st.best_bleu

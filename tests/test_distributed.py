@@ -23,7 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from mtx.config import Config, load_config
 from mtx.data import Batch, ParallelIds, epoch_batches, plan_batches
 from mtx.errors import ConfigError
-from mtx.train import Ranks, Trainer
+from mtx.train import Ranks, Trainer, prepare_run_dir
 
 from .conftest import REPO, TINY_CONFIG, tiny_args
 from .test_cli import mtx
@@ -150,6 +150,70 @@ def test_two_ranks_take_the_single_process_step(tmp_path: Path, mini_data: Path)
     # accumulation all-reduces once per update: a step of 2 micro-batches as often as a step of 1
     calls = ranks[0]["bucket_calls"]
     assert calls[-1] > 0 and calls[1:-1] == [calls[-1]] * (len(ACCUM) - 2), calls
+
+
+def sharing_worker(rank: int, world_size: int, data_dir: Path, init_from: Path, run_dir: Path, out: Path) -> None:
+    """`validate` and train.diversify's `_translate_train` on `world_size` ranks, started from a
+    trained run; the moving average (kept on rank 0) holds the trained weights, the model itself
+    halved weights, so a rank translating with its own model instead would give other outputs."""
+    import mtx.train
+
+    scored: list[list[str]] = []
+    real_scores = mtx.train.corpus_scores
+
+    def recording(text: list[str], refs: list[str], **kwargs: object) -> object:
+        scored.append(list(text))
+        return real_scores(text, refs, **kwargs)
+
+    mtx.train.corpus_scores = recording
+    torch.set_num_threads(1)
+    if world_size > 1:
+        dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=world_size)
+    try:
+        overrides = [f"train.init_from={init_from}", "train.eval_sentences=30", "train.ema=0.99", "train.device=cpu"]
+        cfg = load_config(TINY_CONFIG, [f"data.dir={data_dir}", *overrides])
+        if rank == 0:
+            prepare_run_dir(run_dir, cfg, resume=False)  # the other run's tokenizer copied
+        trainer = Trainer(cfg, run_dir, resume=False, ranks=Ranks(rank, rank, world_size))
+        result = trainer.validate()
+        trained = [p.detach().clone() for p in trainer.model.parameters()]
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.mul_(0.5)
+        if trainer.ema is not None:
+            trainer.ema.averages = trained
+        real = trainer.train_ids  # 60 of them both ways are enough, and take seconds
+        trainer.train_ids = ParallelIds(real.src_ids[:60], real.tgt_ids[:60])
+        synthetic = trainer._translate_train()
+        record = {"result": result, "scored": scored, "synthetic": [synthetic.src_ids, synthetic.tgt_ids]}
+        torch.save(record, out / f"share{world_size}_{rank}.pt")
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
+
+
+def test_ranks_share_validation_and_diversify_with_the_single_process_result(
+    tmp_path: Path, mini_data: Path, tiny_run: Path
+) -> None:
+    """Stop 58: rank 0 alone validated and translated train for train.diversify while the other
+    ranks waited (up to the process group's timeout). Each rank now takes every second sentence:
+    the same val translations, BLEU and chrF as one process, the loss within float rounding, and
+    the same synthetic pairs on every rank, translated with rank 0's moving average."""
+    for world_size in (1, 2):
+        run_dir = tmp_path / f"run{world_size}"
+        run_dir.mkdir()
+        args = (world_size, mini_data, tiny_run, run_dir, tmp_path)
+        mp.spawn(sharing_worker, args=args, nprocs=world_size, join=True)
+    single, rank0, rank1 = (torch.load(tmp_path / f"share{n}.pt", weights_only=True) for n in ("1_0", "2_0", "2_1"))
+    assert rank1["result"] is None and rank1["scored"] == []  # rank 0 alone scores
+    assert rank0["scored"] == single["scored"] and len(single["scored"][0]) == 30
+    assert len(set(single["scored"][0])) > 20  # translations that differ: an order mixed up would show
+    for key in ("val_bleu", "val_chrf"):
+        assert rank0["result"][key] == single["result"][key]
+    assert rank0["result"]["val_loss"] == pytest.approx(single["result"]["val_loss"], rel=1e-6)
+    assert rank0["synthetic"] == rank1["synthetic"] == single["synthetic"]
+    assert len(single["synthetic"][0]) > 60  # most of the 2 x 60 translations kept
+    assert len({tuple(ids) for ids in single["synthetic"][1][:60]}) > 40  # forward translations that differ
 
 
 def amp_worker(rank: int, data_dir: Path, run_dir: Path, store: Path, out: Path) -> None:
