@@ -1347,8 +1347,8 @@ class Trainer:
         """Teacher-forced val loss (no smoothing) and greedy val BLEU/chrF as `mtx eval` scores.
 
         Under DDP every rank takes every world_size-th val sentence, and rank 0 gathers the
-        translations in order and scores them, so the job validates world_size times faster with
-        the same BLEU as one process (a sentence's translation does not depend on its batch); the
+        translations in order and scores them: the ranks share the work instead of waiting for
+        rank 0, and BLEU is the same as one process's (a sentence's translation does not depend on its batch); the
         loss sums are added up. Rank 0 gets the scores, the other ranks None."""
         self.model.eval()
         world = self.ranks.world_size
