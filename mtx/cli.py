@@ -430,6 +430,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
                 workers=workers,
                 stop=stop,
                 progress=bar.update,
+                # an n-best list of different texts: segmentations of one text count once
+                text_key=(lambda ids: run.tgt_tok.decode_batch([ids])[0]) if args.nbest > 1 else None,
             )
             with named_os_errors("standard output"):
                 for i, h in enumerate(hyps, before):
@@ -479,7 +481,9 @@ def _hypotheses_name(
             tags.append(hashlib.sha1(paths.encode("utf-8")).hexdigest()[:8])
     tags.append(f"beam{beam}")
     if beam > 1 and alpha is not None and alpha != cfg.decode.length_penalty:
-        tags.append(f"lp{alpha:g}")
+        alpha += 0.0  # -0.0 -> 0.0 (not "lp-0")
+        short = f"{alpha:g}"  # lp2, lp0.6 as before; the exact value where 6 digits would round it
+        tags.append(f"lp{short if float(short) == alpha else repr(alpha)}")
     if beam > 1 and stop == "finished":
         tags.append("finished")
     if _precision(args, cfg) != "fp32":
@@ -561,12 +565,28 @@ def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> Non
         if _same_file(output, paths):
             raise MtxError(f"the hypotheses file {output} is {what}; pass --output with another path")
     _not_a_runs_file(output, f"the hypotheses file {output}", "pass --output with another path")
+    if output.is_file() and not output.is_symlink() and not output.stat().st_mode & 0o222:
+        # written through a new file and a rename, it would be replaced whatever its mode
+        raise MtxError(f"--output {output} is write-protected (no write permission); pass --output with another path")
     if written_through(output):  # a device, pipe or link: it is opened as it is, not replaced
         return
     # the directory, or the nearest one above it where it is to be made (`parent_directories`)
     nearest = next(d for d in (output.parent, *output.parent.parents) if d.exists())
     if not os.access(nearest, os.W_OK | os.X_OK):
         raise MtxError(f"--output {output}: cannot write to {output.parent}")
+
+
+def _training_data(cfg: Config, folders: Iterable[Path | None]) -> list[Path]:
+    """The files (plain and gzipped) of the splits and languages `cfg` trains and validates on, in
+    each of `folders` that is a directory."""
+    from mtx.data import training_files
+
+    return [
+        path
+        for folder in folders
+        if folder is not None and folder.is_dir()
+        for path in training_files(folder, cfg.data)
+    ]
 
 
 def _is_stdout(path: Path) -> bool:
@@ -593,7 +613,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise MtxError("--src and --ref go together (source file and reference file)")
     if args.src is not None and (args.split is not None or args.data_dir is not None):
         raise MtxError("--src/--ref replace --split and --data-dir; give one or the other")
-    args.split = args.split or "test_2016_flickr"
+    if args.split is None:  # (an empty --split "" is a mistake, not the default)
+        args.split = "test_2016_flickr"
     if name_problem(args.split):  # (stop 56: a path read files elsewhere and wrote its hypotheses there)
         raise MtxError(
             f"--split takes a split name such as val or test_2016_flickr, got {args.split!r}; for files use --src/--ref"
@@ -645,6 +666,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"the {name} split's reference file": [split_files[1]],
             "a checkpoint": [*run.checkpoints, *checkpoint_dir(args.run).glob("*")],
             "one of the run's own files": run_files(args.run),
+            # the text the run was trained and validated on, in its data directory or the one
+            # read (a hypotheses file replaced train.en there)
+            "the run's training or validation data": _training_data(cfg, [Path(cfg.data.dir), args.data_dir]),
         },
     )
     # the directories made for the hypotheses file go again if decoding or writing fails

@@ -392,6 +392,8 @@ def name_problem(name: str) -> str | None:
     """Why `name` cannot be a split or language name inside the data directory (a file name's
     part, not a path: stop 56's `mtx eval --split /elsewhere/val` read files outside it and wrote
     its hypotheses beside them), or None."""
+    if not name.strip():
+        return f"must not be empty, got {name!r}"
     if name in (".", "..") or any(c in name for c in "/\\\0"):
         return f"must be a name within the data directory, not a path, got {name!r}"
     return None

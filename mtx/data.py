@@ -137,10 +137,26 @@ def clean_line(text: str) -> str:
     of invisible characters alone (zero-width spaces) is empty (stop 54: it was translated as a
     sentence, and passed the data's empty-line check), whitespace between them too (stop 55)."""
     line = text.strip().removeprefix(BOM).strip()
-    return "" if not line.translate(_DROP_INVISIBLE).strip() else line
+    return "" if all(c.isspace() or _invisible(c) for c in line) else line
 
 
-_DROP_INVISIBLE = dict.fromkeys(map(ord, INVISIBLE))
+# format characters that are drawn (the prepended concatenation marks: Arabic number signs, the
+# end of ayah, ...): a line of them is not empty
+_SHOWN_FORMAT = frozenset("\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f\u0890\u0891\u08e2\U000110bd\U000110cd")
+
+
+def _invisible(char: str) -> bool:
+    """Whether `char` shows nothing by itself: the `INVISIBLE` characters, every other Unicode
+    format character (category Cf: left-to-right and right-to-left marks, bidi controls, the
+    soft hyphen, invisible operators), control characters (Cc: NUL, escape, DEL), the combining
+    grapheme joiner and variation selectors."""
+    return (
+        char in INVISIBLE
+        or (unicodedata.category(char) in ("Cf", "Cc") and char not in _SHOWN_FORMAT)
+        or char == "\u034f"
+        or "\ufe00" <= char <= "\ufe0f"
+        or "\U000e0100" <= char <= "\U000e01ef"
+    )
 
 
 def _checked_line(text: str, source: str, number: int, what: str) -> str:
@@ -281,6 +297,11 @@ def _needed(cfg: DataConfig) -> list[tuple[str, str]]:
         for lang in (cfg.src_lang, cfg.tgt_lang)
     ]
     return pair + [(cfg.train_split, lang) for lang in cfg.extra_src_langs]
+
+
+def training_files(folder: Path, cfg: DataConfig) -> list[Path]:
+    """The paths, plain and gzipped, that the splits and languages training reads have in `folder`."""
+    return [folder / f"{split}.{lang}{gz}" for split, lang in _needed(cfg) for gz in ("", ".gz")]
 
 
 def _missing(folder: Path, files: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:

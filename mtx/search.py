@@ -216,8 +216,14 @@ def beam_search(
     nbest: int = 1,
     use_cache: bool = True,
     stop: str = "exact",
+    text_key: Callable[[list[int]], object] | None = None,
 ) -> list[list[Hypothesis]]:
     """Batched beam search of a (B, S) batch; per sentence the `nbest` best hypotheses.
+
+    With `text_key` (ids -> their text), hypotheses of one text count once, at the best score of
+    its segmentations: byte-level pieces spell one text in several ways ("a" and "Ġa" both
+    decode to "a"), and an n-best list showed such a text twice. Where the search finds fewer
+    than `nbest` texts, the list is filled with the best of the others.
 
     A finished hypothesis comes from an EOS among the top `beam` candidates of a step. A
     sentence stops once it holds `nbest` finished hypotheses and no running one can still beat
@@ -252,6 +258,8 @@ def beam_search(
     tokens = torch.full((n, 1), BOS, dtype=torch.long, device=device)
     scores = torch.zeros(n, 1, device=device)
     finished: list[list[Hypothesis]] = [[] for _ in range(n)]
+    seen: list[dict[object, int]] = [{} for _ in range(n)]  # with text_key: text -> its place in finished
+    repeats: list[list[Hypothesis]] = [[] for _ in range(n)]  # with text_key: the segmentations passed over
     step = 0
     while sentences:
         step += 1
@@ -272,7 +280,20 @@ def beam_search(
             for i, j in eos_top.nonzero().tolist():
                 row = i * width + int(top_beam[i, j])
                 raw = float(top_scores[i, j])
-                finished[sentences[i]].append(Hypothesis(tokens[row, 1:].tolist(), raw / penalty, raw))
+                hyp = Hypothesis(tokens[row, 1:].tolist(), raw / penalty, raw)
+                sent = sentences[i]
+                if text_key is None:
+                    finished[sent].append(hyp)
+                    continue
+                key = text_key(hyp.tokens)
+                place = seen[sent].setdefault(key, len(finished[sent]))
+                if place == len(finished[sent]):
+                    finished[sent].append(hyp)
+                elif hyp.score > finished[sent][place].score:
+                    repeats[sent].append(finished[sent][place])
+                    finished[sent][place] = hyp
+                else:
+                    repeats[sent].append(hyp)
 
         # continue with the K best candidates that do not end here; where fewer than K do (an
         # output vocabulary of at most K columns), EOS candidates fill the beam as dead rows
@@ -306,7 +327,9 @@ def beam_search(
             cache.reorder(rows)
 
     out = []
-    for hyps in finished:
+    for hyps, others in zip(finished, repeats, strict=True):
+        if len(hyps) < nbest:  # fewer texts than asked for: the best other segmentations fill the list
+            hyps += sorted(others, key=lambda h: h.score, reverse=True)[: nbest - len(hyps)]
         hyps.sort(key=lambda h: h.score, reverse=True)
         out.append(hyps[:nbest])
     return out
@@ -362,8 +385,10 @@ def translate_ids(
     workers: int = 0,
     stop: str = "exact",
     progress: Callable[[int], object] | None = None,
+    text_key: Callable[[list[int]], object] | None = None,
 ) -> list[list[Hypothesis]]:
     """Decode many tokenised sentences (without EOS) in length-sorted batches; input order kept.
+    `text_key`: as `beam_search`'s (an n-best list of different texts).
 
     Empty inputs give `nbest` empty hypotheses; inputs longer than the model's positions are
     truncated (with a warning). Batches are decoded on `workers` threads (0: auto, see
@@ -385,7 +410,7 @@ def translate_ids(
         if beam == 1:
             hyps = [[h] for h in greedy_search(model, src, max_len_a, max_len_b, use_cache)]
         else:
-            hyps = beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, use_cache, stop)
+            hyps = beam_search(model, src, beam, alpha, max_len_a, max_len_b, nbest, use_cache, stop, text_key)
         if progress is not None:
             with done_lock:
                 progress(len(batch))

@@ -23,8 +23,19 @@ import pytest
 import sacrebleu
 import torch
 
-from mtx.cli import _hypotheses_name, _source_tag, _utf8_stdout, build_parser, int_in, main, usable_cpus
+from mtx.cli import (
+    _check_output,
+    _hypotheses_name,
+    _source_tag,
+    _training_data,
+    _utf8_stdout,
+    build_parser,
+    int_in,
+    main,
+    usable_cpus,
+)
 from mtx.config import load_config
+from mtx.errors import MtxError
 
 from .conftest import REPO, FakeMulti30k, main_in_process, tiny_args
 
@@ -593,6 +604,12 @@ def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision()
     assert name("--beam", "5", "--length-penalty", "0.6", "--stop", "finished") == "val.beam5.lp0.6.finished.en"
     assert name("--beam", "5", "--length-penalty", str(cfg.decode.length_penalty)) == "val.beam5.en"
     assert name("--beam", "1", "--length-penalty", "2") == "val.beam1.en"  # greedy has no penalty
+    # penalties that 6 significant digits cannot tell apart are named apart (both were lp0.6, one
+    # system's hypotheses replacing the other's), and -0 is 0
+    assert name("--beam", "5", "--length-penalty", "0.6000001") == "val.beam5.lp0.6000001.en"
+    assert name("--beam", "5", "--length-penalty", "1.0000001") == "val.beam5.lp1.0000001.en"
+    assert name("--beam", "5", "--length-penalty", "-0") == name("--beam", "5", "--length-penalty", "0")
+    assert name("--beam", "5", "--length-penalty", "0") == "val.beam5.lp0.en"
 
     # a --src file is named with a digest of its path (stop 53: d1/val.de and d2/val.de shared a file)
     def source(path: str) -> str:
@@ -656,3 +673,34 @@ def test_eval_scores_an_official_test_split_beyond_the_local_copy(
     assert multi30k_server.requested == ["test_2017_flickr.de.gz", "test_2017_flickr.en.gz"]
     assert main(["eval", "--run", str(tiny_run), "--split", "test_2017_mscoco", "--beam", "1"]) == 1
     assert "cannot download Multi30k" in capsys.readouterr().err  # the fake has no test_2017_mscoco
+
+
+def test_eval_refuses_an_empty_split_and_a_write_protected_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --split "" evaluated the default test_2016_flickr without a word
+    for split in ("", " "):
+        result = mtx_here(monkeypatch, "eval", "--run", str(tmp_path / "no-run"), "--split", split)
+        assert_one_line_error(result, f"--split takes a split name such as val or test_2016_flickr, got {split!r}")
+    # a write-protected file was replaced (through a new file and a rename) and left writable
+    kept = tmp_path / "kept.en"
+    kept.write_text("my translations\n")
+    kept.chmod(0o444)
+    with pytest.raises(MtxError, match=r"kept.en is write-protected .*; pass --output with another path$"):
+        _check_output(kept, {})
+    assert kept.read_text() == "my translations\n"
+    kept.chmod(0o644)
+    _check_output(kept, {})  # writable: replaced as before
+
+
+def test_eval_output_never_replaces_the_training_data(tmp_path: Path) -> None:
+    # a hypotheses file replaced train.en of the data directory (only the split read was protected)
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    for name in ("train.en", "val.de.gz", "test_x.en"):
+        (tmp_path / name).write_text("data\n")
+    data = {"the run's training or validation data": _training_data(cfg, [tmp_path, None, tmp_path / "none"])}
+    for name in ("train.en", "val.de.gz"):
+        with pytest.raises(MtxError, match=rf"{name} is the run's training or validation data; pass --output"):
+            _check_output(tmp_path / name, data)
+        assert (tmp_path / name).read_text() == "data\n"
+    _check_output(tmp_path / "test_x.en", data)  # another split's file, as any other file, may be chosen

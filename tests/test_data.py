@@ -13,6 +13,7 @@ from mtx.config import DataConfig
 from mtx.data import (
     ParallelIds,
     available_splits,
+    clean_line,
     epoch_batches,
     epoch_length,
     eval_split_files,
@@ -341,3 +342,27 @@ def test_test_splits_are_known_by_name() -> None:
     """What choose_on_val refuses to choose on, and training warns about validating on."""
     assert all(map(is_test_split, ["test_2016_flickr", "test_2017_mscoco", "test_2018_flickr", "test", "Test2020"]))
     assert not any(map(is_test_split, ["val", "dev", "train", "valid_test_like"]))
+
+
+def test_lines_of_other_invisible_format_characters_are_empty() -> None:
+    # a left-to-right or right-to-left mark, a soft hyphen, a bidi control, a variation selector
+    # alone showed nothing but was translated as a sentence (and passed the data's empty-line
+    # check), where a zero-width space alone was already an empty line
+    for invisible in (
+        "\u200e",
+        "\u200f",
+        "\u00ad",
+        "\u202a\u202c",
+        "\u2061",
+        "\ufe0f",
+        "\u034f",
+        " \u200e \u200f ",
+        "\x00",
+        "\x1b\x7f",
+    ):
+        assert clean_line(invisible) == "", repr(invisible)
+    assert text_lines("\u200e\nDer Hund.\u200e\n\u200fa\n".encode(), "x", "the file") == [
+        "",
+        "Der Hund.\u200e",
+        "\u200fa",
+    ]

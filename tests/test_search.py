@@ -442,3 +442,30 @@ def test_an_ensemble_differs_from_its_members_and_checks_their_outputs(
         Ensemble([last, load_run(tiny_restricted_run).model])
     with pytest.raises(ValueError, match="at least 2"):
         Ensemble([last])
+
+
+def test_an_nbest_list_holds_each_text_once() -> None:
+    """Byte-level pieces spell one text in several ways ("a" and "Ġa" both decode to "a"), and an
+    n-best list showed such a text twice. With `text_key` the segmentations of one text count once,
+    at the best score; the 1-best is unchanged and every list still holds `nbest` entries. Here a
+    coarse key (the set of tokens) makes many sequences one "text"."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0)
+    model = Seq2Seq(cfg, 12, 12, True).eval()
+    srcs = [[4, 5, 6], [7], [8, 9], [], [10, 11, 4, 5]]
+
+    def text(ids: list[int]) -> tuple[int, ...]:
+        return tuple(sorted(set(ids)))
+
+    for stop in ("exact", "finished"):
+        plain = translate_ids(model, srcs, 6, 1.0, 0.0, 6, 1000, nbest=6, stop=stop)
+        once = translate_ids(model, srcs, 6, 1.0, 0.0, 6, 1000, nbest=6, stop=stop, text_key=text)
+        best = translate_ids(model, srcs, 6, 1.0, 0.0, 6, 1000, nbest=1, stop=stop)
+        texts = [[len({text(h.tokens) for h in hyps})] for hyps in plain]
+        for hyps, one, count in zip(once, best, texts, strict=True):
+            assert len(hyps) == 6 and hyps[0].tokens == one[0].tokens
+            assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+            count.append(len({text(h.tokens) for h in hyps}))
+        # more different texts wherever the plain list repeated one, all 6 in some
+        assert all(b >= a for a, b in texts) and any(a < b == 6 for a, b in texts), texts
+        assert [h.tokens for h in once[3]] == [[]] * 6  # an empty input: as before
