@@ -242,9 +242,19 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _shown(value: Any) -> str:
+    """`repr(value)` for an error line, cut short: YAML reads 0x followed by 4,000 digits as an integer
+    whose repr fails (Python's 4,300-digit limit on int -> str)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an integer of {value.bit_length():,} bits"
+    return text if len(text) <= 60 else f"{text[:40]}...{text[-10:]} ({len(text):,} characters)"
+
+
 def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
     """Check/convert one YAML or --set value to the field's declared type."""
-    bad = ConfigError(f"{where}: {key} must be {_type_name(hint)}, got {value!r}")
+    bad = ConfigError(f"{where}: {key} must be {_type_name(hint)}, got {_shown(value)}")
     origin = typing.get_origin(hint)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
@@ -272,11 +282,14 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
         if not isinstance(value, int) or isinstance(value, bool):
             raise bad
         if abs(value) > MAX_INT:  # would overflow the float arithmetic it meets (a schedule, a bar)
-            raise ConfigError(f"{where}: {key} must be at most 2**53 in size, got {value}")
+            raise ConfigError(f"{where}: {key} must be at most 2**53 in size, got {_shown(value)}")
         return value
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an integer of 309 digits or more
+                raise ConfigError(f"{where}: {key} must be a finite number, got {_shown(value)}") from None
         elif isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
                 number = float(value)
@@ -285,11 +298,13 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
         else:
             raise bad
         if not math.isfinite(number):  # YAML's .nan/.inf, or --set x=nan: every key has 0 as its "off"
-            raise ConfigError(f"{where}: {key} must be a finite number, got {value!r}")
+            raise ConfigError(f"{where}: {key} must be a finite number, got {_shown(value)}")
         return number
     if hint is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, (list, tuple, dict)):
+            raise bad
         if isinstance(value, bool):  # YAML 1.1 reads no, yes, on, off, n, y as booleans
             raise ConfigError(
                 f"{where}: {key} must be a string, got {value!r}; YAML reads an unquoted no/yes/on/off as "
@@ -298,7 +313,7 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
         # YAML's reading of unquoted text: 010 is 8, 1_000 is 1000, 2016.10 is 2016.1, 2024-01-05 a
         # date, ~ nothing (stop 54: the number's text was taken, data.dir 010 naming directory 8)
         raise ConfigError(
-            f"{where}: {key} must be a string, got {value!r}: YAML reads some unquoted text as a number, "
+            f"{where}: {key} must be a string, got {_shown(value)}: YAML reads some unquoted text as a number, "
             f'a date or null; quote it as you mean it (e.g. {key.rpartition(".")[2]}: "...")'
         )
     raise bad
@@ -508,27 +523,35 @@ def validate(cfg: Config, where: str = "config") -> None:
         )
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """`key=value` -> (key, YAML-parsed value)."""
+def parse_override(text: str) -> tuple[str, str]:
+    """`key=value` -> (key, the value's text, stripped)."""
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. train.max_steps=200")
     key, _, value = text.partition("=")
     if not key.strip():
         raise ConfigError(f"--set {text!r}: no key before '='; expected KEY=VALUE, e.g. train.max_steps=200")
+    return key.strip(), value.strip()
+
+
+def _override_value(key: str, text: str) -> Any:
+    """The YAML reading of a --set value (its text, if it is not valid YAML)."""
+    if not text:
+        return text
     try:
-        parsed = yaml.safe_load(value) if value.strip() else value
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a safe loader
+    except _ScalarError as e:  # an invalid date, a base-60 number, ...
+        raise ConfigError(f"--set {key}: {e.problem}") from None
     except yaml.YAMLError:
-        parsed = value
+        return text
     except RecursionError:  # (stop 56: a value of 3,000 nested brackets was a 3,000-line traceback)
-        raise ConfigError(f"--set {key.strip()}: the value is nested too deeply") from None
-    return key.strip(), parsed
+        raise ConfigError(f"--set {key}: the value is nested too deeply") from None
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str = "--set") -> None:
     """Apply dotted `section.key=value` overrides to a raw nested dict, in place."""
     valid = set(_all_keys())
     for text in overrides:  # a key given twice: the last wins, as for any repeated option
-        key, value = parse_override(text)
+        key, text_value = parse_override(text)
         if key in _section_types():
             example = next(k for k in _all_keys() if k.startswith(f"{key}."))
             raise ConfigError(f"{where} {text}: {key} is a section; set one of its keys, e.g. {example}=...")
@@ -537,17 +560,20 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str = "--s
         section, name = key.split(".", 1)
         if raw.get(section) is None:
             raw[section] = {}
-        text_value = text.partition("=")[2].strip()
+        if not isinstance(raw[section], dict):  # (a TypeError traceback for `train: 5` in the file)
+            raise ConfigError(f"{where} {text}: section {section} must be a mapping, got {_shown(raw[section])}")
         if _hints(_section_types()[section])[name] is str and not text_value.startswith(("'", '"')):
             # a string key takes the text as typed: YAML would read data.dir=010 as 8, 1:20 as 80,
             # and cut "a #2" at the comment (stop 53); quotes still work
-            value = text_value
-        raw[section][name] = value
+            raw[section][name] = text_value
+        else:
+            raw[section][name] = _override_value(key, text_value)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (it would keep the last
-    silently: `max_steps: 3` then `max_steps: 5` trains 5 steps)."""
+    silently: `max_steps: 3` then `max_steps: 5` trains 5 steps), a base-60 number, and a scalar
+    that is not what its tag says (see `_scalar`)."""
 
 
 def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
@@ -569,7 +595,51 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[An
     return loader.construct_mapping(node, deep=True)
 
 
+class _ScalarError(yaml.constructor.ConstructorError):
+    """A scalar that YAML 1.1 reads as no value or as one the user may not mean (`_scalar`)."""
+
+
+_SCALARS = {
+    "int": yaml.constructor.SafeConstructor.construct_yaml_int,
+    "float": yaml.constructor.SafeConstructor.construct_yaml_float,
+    "bool": yaml.constructor.SafeConstructor.construct_yaml_bool,
+    "timestamp": yaml.constructor.SafeConstructor.construct_yaml_timestamp,
+}
+
+
+def _scalar(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> Any:
+    """YAML 1.1's int, float, bool and timestamp scalars, with a `_ScalarError` at the value's line
+    where PyYAML raised a ValueError traceback (an invalid date such as 2023-02-29, an integer past
+    Python's 4,300 digits, `!!int abc`), and for base-60 numbers: YAML 1.1 reads `max_minutes: 1:30`
+    as 90 without a word."""
+    kind = node.tag.rpartition(":")[2]
+    text = loader.construct_scalar(node)
+    shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text):,} characters)"
+    try:
+        value = _SCALARS[kind](loader, node)
+    except (ValueError, LookupError, AttributeError) as e:
+        if kind == "timestamp":
+            reason = f" ({e})" if isinstance(e, ValueError) else ""  # day is out of range for month
+            problem = f"{shown} is not a valid date{reason}; quote it if it is text"
+        elif kind == "int" and sum(c.isdigit() for c in text) > 4300:
+            problem = f"the integer {shown} has more than 4,300 digits, more than any setting takes"
+        else:
+            problem = f"{shown} is not a valid {kind}"
+        raise _ScalarError(None, None, problem, node.start_mark) from None
+    if kind in ("int", "float") and ":" in text:
+        raise _ScalarError(
+            None,
+            None,
+            f"YAML 1.1 reads {shown} as the base-60 number {value:g}; write the plain number you mean, "
+            "or quote it if it is text",
+            node.start_mark,
+        )
+    return value
+
+
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+for _kind in _SCALARS:
+    _UniqueKeyLoader.add_constructor(f"tag:yaml.org,2002:{_kind}", _scalar)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, whole: bool = False) -> Config:
@@ -605,7 +675,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, who
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(e, "problem", None) or "invalid YAML"
             raise ConfigError(f"{path}: malformed YAML{at}: {problem}") from None
-        if raw is None and not whole:  # (stop 56: an empty file trained the defaults: 10,000 steps)
+        if (raw is None or raw == {}) and not whole:  # (stop 56: an empty file trained the defaults: 10,000 steps)
             raise ConfigError(
                 f"{path}: the config is empty; give at least one section (configs/tiny.yaml is a small example)"
             )
@@ -621,7 +691,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, who
     if overrides:
         apply_overrides(raw, overrides)
         where = f"{where} (with --set)"
-    return from_dict(raw, where)
+    cfg = from_dict(raw, where)
+    if cfg.train.dropout_start and not cfg.train.dropout_warmup and (overrides or not whole):
+        # (it was ignored without a word; a run saved so still translates and resumes as it trained)
+        raise ConfigError(
+            f"{where}: train.dropout_start is set but train.dropout_warmup is 0; set the updates over which "
+            "dropout rises from it to model.dropout (e.g. 4000), or drop train.dropout_start"
+        )
+    return cfg
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -177,6 +177,31 @@ def test_user_mistakes_are_one_line_errors(tmp_path: Path, small_data: Path, mak
     assert_one_line_error(mtx(*make_args(small_data, tmp_path)), *needles)
 
 
+def test_config_values_that_were_tracebacks_or_silent_are_one_line_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe of `mtx train --config X --set KEY=VALUE` found tracebacks (an invalid date, an integer
+    past Python's 4,300 digits, `--set train.lr=...` where the file gives train as a list) and values
+    taken silently (YAML 1.1's base-60 1:30 as 90, a config of `{}` as the defaults)."""
+    cases = [
+        ("train:\n  max_steps: 10\n", ["train.max_steps=2023-02-29"], "--set train.max_steps: 2023-02-29 is not"),
+        ("train:\n  init_from: 2023-02-29\n", [], "c.yaml: malformed YAML at line 2, column 14: 2023-02-29 is not"),
+        ("train:\n  max_steps: 10\n", ["train.lr=1" + "0" * 5000], "--set train.lr: the integer 1000"),
+        ("train: [1, 2]\n", ["train.lr=0.1"], "--set train.lr=0.1: section train must be a mapping, got [1, 2]"),
+        ("train:\n  max_minutes: 1:30\n", [], "YAML 1.1 reads 1:30 as the base-60 number 90"),
+        ("train:\n  max_steps: 10\n", ["train.max_minutes=1:30"], "YAML 1.1 reads 1:30 as the base-60 number 90"),
+        ("train:\n  dropout_start: 0.1\n", [], "train.dropout_start is set but train.dropout_warmup is 0"),
+        ("{}\n", [], "c.yaml: the config is empty"),
+    ]
+    config, run = tmp_path / "c.yaml", tmp_path / "run"
+    for text, settings, needle in cases:
+        config.write_text(text)
+        sets = [arg for setting in settings for arg in ("--set", setting)]
+        r = mtx_here(monkeypatch, "train", "--config", str(config), "--run-dir", str(run), *sets)
+        assert_one_line_error(r, needle)
+        assert not run.exists()
+
+
 @pytest.mark.parametrize(("speedup", "warning"), [(0.0, "emulated"), (0.6, "at 0.60x the speed of fp32"), (2.5, None)])
 def test_bf16_decoding_warns_where_bf16_products_are_slow(
     tiny_run: Path,

@@ -29,6 +29,7 @@ OTHER_VALUES: dict[str, object] = {
 NEEDS: dict[str, dict[str, object]] = {
     "data.extra_src_langs": {"train.extra_sources": 0.5},
     "train.diversify": {"train.bidirectional": 0.5},
+    "train.dropout_start": {"train.dropout_warmup": 100},
     "train.extra_sources": {"data.extra_src_langs": ["fr"]},
 }
 
@@ -147,6 +148,25 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("train:\n  lr: 0.1 \x1b[0m\n", r"line 2 holds the control character '\\x1b', which YAML does not allow"),
         ("\u00a0 lr: 0.1\n", r"unknown key '\\xa0 lr' \(did you mean train.lr\?\)"),
         ("train:\n  LR: 0.1\n", r"unknown key train.LR \(did you mean train.lr\?\)"),
+        # tracebacks before: PyYAML's ValueError for an invalid date and for an integer past Python's
+        # 4,300-digit limit, an OverflowError for an integer beyond a float, a ValueError showing one
+        ("train:\n  init_from: 2023-02-29\n", r"line 2, column 14: 2023-02-29 is not a valid date \(day is out of"),
+        ("train:\n  lr: 2023-13-01\n", r"2023-13-01 is not a valid date \(month must be in 1\.\.12\)"),
+        ("train:\n  max_steps: 1" + "0" * 5000 + "\n", r"line 2, column 14: the integer 1000.* more than 4,300 digits"),
+        ("train:\n  lr: 1" + "0" * 400 + "\n", r"train.lr must be a finite number, got 1000.*0 \(401 characters\)$"),
+        ("data:\n  dir: 0x" + "f" * 4000 + "\n", "data.dir must be a string, got an integer of 16,000 bits"),
+        ("train:\n  max_steps: !!int abc\n", "line 2, column 14: abc is not a valid int"),
+        ("train:\n  compile: !!bool maybe\n", "maybe is not a valid bool"),
+        # YAML 1.1's base-60 numbers: 1:30 was 90 minutes without a word
+        ("train:\n  max_minutes: 1:30\n", r"line 2, column 16: YAML 1.1 reads 1:30 as the base-60 number 90; write"),
+        ("train:\n  max_minutes: 1:30:00\n", "YAML 1.1 reads 1:30:00 as the base-60 number 5400"),
+        ("train:\n  lr: 0:0.5\n", "YAML 1.1 reads 0:0.5 as the base-60 number 0.5"),
+        ("data:\n  dir: 12:30\n", "YAML 1.1 reads 12:30 as the base-60 number 750; .* or quote it if it is text"),
+        # a dropout_start without a ramp did nothing
+        ("train:\n  dropout_start: 0.1\n", "train.dropout_start is set but train.dropout_warmup is 0"),
+        ("{}\n", "the config is empty"),  # as an empty file: not the defaults' 10,000 steps
+        ("data:\n  dir: [a, b]\n", r"data.dir must be a string, got \['a', 'b'\]$"),
+        ("train:\n  schedule: {a: 1}\n", r"train.schedule must be a string, got \{'a': 1\}$"),
     ],
 )
 def test_bad_values_are_one_line_errors(tmp_path: Path, text: str, pattern: str) -> None:
@@ -188,6 +208,53 @@ def test_override_errors() -> None:
         load_config(None, ["train.max_steps=abc"])
 
 
+@pytest.mark.parametrize(
+    "setting, pattern",
+    [
+        # tracebacks before (ValueError, OverflowError)
+        ("train.max_steps=2023-02-29", r"--set train.max_steps: 2023-02-29 is not a valid date \(day is out of range"),
+        ("train.adam_betas=[0.9, 2023-02-30]", "--set train.adam_betas: 2023-02-30 is not a valid date"),
+        ("train.lr=1" + "0" * 5000, r"--set train.lr: the integer 1000.* \(5,001 characters\) has more than 4,300"),
+        ("train.lr=1" + "0" * 400, r"train.lr must be a finite number, got 1000.*0 \(401 characters\)$"),
+        ("train.max_steps=0x" + "f" * 4000, r"max_steps must be at most 2\*\*53 in size, got an integer of 16,000 bit"),
+        ("train.max_minutes=1:30", "--set train.max_minutes: YAML 1.1 reads 1:30 as the base-60 number 90"),
+        ("train.max_minutes='1:30'", "train.max_minutes must be a number, got '1:30'"),
+        ("train.dropout_start=0.1", "train.dropout_start is set but train.dropout_warmup is 0; set the updates"),
+    ],
+)
+def test_bad_override_values_are_one_line_errors(setting: str, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern) as e:
+        load_config(REPO / "configs" / "tiny.yaml", [setting])
+    assert "\n" not in str(e.value) and len(str(e.value)) < 300  # no 5,000-digit value
+
+
+@pytest.mark.parametrize("section", ["5", "[1, 2]", "abc"])
+def test_an_override_into_a_section_that_is_not_a_mapping(tmp_path: Path, section: str) -> None:
+    """`train: 5` in the file and `--set train.lr=0.1` was a TypeError traceback."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"model:\n  d_model: 64\ntrain: {section}\n")
+    with pytest.raises(ConfigError, match=r"--set train.lr=0.1: section train must be a mapping, got "):
+        load_config(path, ["train.lr=0.1"])
+
+
+def test_text_with_colons_and_dates_stays_text(tmp_path: Path) -> None:
+    """Refusing base-60 numbers and invalid dates leaves quoted values, paths and URLs with colons,
+    valid dates and a string key's --set text alone, and a dropout_start with its ramp works."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "data:\n  dir: /data/12:30\n  train_split: '1:30'\n  valid_split: \"2023-02-29\"\n"
+        "train:\n  init_from: http://host:8080/run\n  max_minutes: 90\n  dropout_warmup: 100\n  dropout_start: 0.05\n"
+    )
+    cfg = load_config(path)
+    assert (cfg.data.dir, cfg.data.train_split, cfg.data.valid_split) == ("/data/12:30", "1:30", "2023-02-29")
+    assert cfg.train.init_from == "http://host:8080/run" and cfg.train.max_minutes == 90.0
+    assert (cfg.train.dropout_warmup, cfg.train.dropout_start) == (100, 0.05)
+    sets = ["data.dir=12:30", "data.train_split=2023-02-29", "train.max_steps=1_000", "train.lr=1.5e-3"]
+    cfg = load_config(path, sets)
+    assert (cfg.data.dir, cfg.data.train_split) == ("12:30", "2023-02-29")
+    assert (cfg.train.max_steps, cfg.train.lr) == (1000, 1.5e-3)
+
+
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="config file not found"):
         load_config("/nonexistent/c.yaml")
@@ -196,3 +263,17 @@ def test_missing_file() -> None:
 def test_a_section_given_as_a_key_names_its_keys() -> None:
     with pytest.raises(ConfigError, match=r"--set train=5: train is a section; set one of its keys, e\.g\. train\."):
         load_config(REPO / "configs" / "tiny.yaml", ["train=5"])
+
+
+def test_a_saved_run_with_an_unramped_dropout_start_still_loads(tmp_path: Path) -> None:
+    """A run trained before dropout_start without dropout_warmup was refused (the setting did
+    nothing) keeps loading for translate, eval and resume; a new --set on it is refused."""
+    raw = to_dict(Config())
+    raw["train"]["dropout_start"] = 0.1
+    path = tmp_path / "config.yaml"
+    save_config(from_dict(raw), path)
+    assert load_config(path, whole=True).train.dropout_start == 0.1
+    with pytest.raises(ConfigError, match="train.dropout_start is set but train.dropout_warmup is 0"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="train.dropout_start is set but train.dropout_warmup is 0"):
+        load_config(path, ["train.max_steps=5"], whole=True)
