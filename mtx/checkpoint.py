@@ -4,13 +4,15 @@ A run directory holds everything needed to translate: the resolved `config.yaml`
 tokenizer file(s) and `checkpoints/{last,best,step_N}.pt`. Checkpoints are written to a
 temporary file in the same directory, flushed, fsynced and renamed over the old file, so a
 crash at any moment leaves either the previous or the new checkpoint, never a torn one.
-Temporary files left by a writer that was killed mid-save are removed at the next save.
+Temporary files left by a writer that was killed mid-save are removed at the next save (in any
+other directory than a run's checkpoints/, the next save of the same file).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
 import pickle
 import re
@@ -43,10 +45,19 @@ def run_files(run_dir: Path) -> list[Path]:
     return [run_dir / name for name in names] + sorted(run_dir.glob("tokenizer*.json"))
 
 
+# the name of a step checkpoint training writes; any other file in checkpoints/ is the user's (a
+# `step_4_backup.pt` was taken for the oldest step checkpoint, and train.keep_last removed it)
+_STEP_NAME = re.compile(r"step_(\d+)\.pt")
+
+
 def step_checkpoints(run_dir: Path) -> list[Path]:
-    """`checkpoints/step_N.pt` files, oldest step first."""
-    paths = checkpoint_dir(run_dir).glob("step_*.pt")
-    return sorted(paths, key=lambda p: int(p.stem.split("_", 1)[1]) if p.stem.split("_", 1)[1].isdigit() else -1)
+    """`checkpoints/step_N.pt` files (N digits only), oldest step first."""
+    steps = []
+    for path in checkpoint_dir(run_dir).glob("step_*.pt"):
+        found = _STEP_NAME.fullmatch(path.name)
+        if found and path.is_file():
+            steps.append((int(found.group(1)), path))
+    return [path for _, path in sorted(steps)]
 
 
 @contextlib.contextmanager
@@ -88,16 +99,19 @@ def left_by_dead_process(pid: str) -> bool:
     return pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
 
 
-def clean_stale_tmp(directory: Path) -> list[Path]:
-    """Remove `.NAME.tmp.PID` files left by writers that died mid-save (e.g. `kill -9`). A chosen
-    average that a new best.pt's save had set aside (`_save_best`) is not such a file: where
-    best.pt was replaced before the kill, it is the average's only copy, and it is put in its
-    place (stop 55: it was removed, and the average was lost)."""
+def clean_stale_tmp(directory: Path, name: str | None = None) -> list[Path]:
+    """Remove `.NAME.tmp.PID` files left by writers that died mid-save (e.g. `kill -9`); with
+    `name`, only those of that file. Only a run's checkpoints/ is mtx's alone: in a directory the
+    user chose (`eval --output`, `average --out`) another program's `.x.tmp.123` was removed. A
+    chosen average that a new best.pt's save had set aside (`_save_best`) is not such a file:
+    where best.pt was replaced before the kill, it is the average's only copy, and it is put in
+    its place (stop 55: it was removed, and the average was lost)."""
     removed = []
     if not directory.is_dir():
         return removed
-    for path in directory.glob(".*.tmp.*"):
-        if not left_by_dead_process(path.name.rsplit(".", 1)[1]):
+    for path in directory.glob(f".{glob.escape(name)}.tmp.*" if name else ".*.tmp.*"):
+        pid = path.name.removeprefix(f".{name}.tmp.") if name else path.name.rsplit(".", 1)[1]
+        if not left_by_dead_process(pid):
             continue
         best = directory / BEST
         if ".aside.tmp." in path.name and not (best.is_file() and best.samefile(path)):
@@ -121,7 +135,8 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        clean_stale_tmp(path.parent)
+        in_checkpoints = path.parent.name == "checkpoints" and (path.parent.parent / CONFIG_FILE).is_file()
+        clean_stale_tmp(path.parent, None if in_checkpoints else path.name)
         with open(tmp, "wb") as f:
             write(f)
             f.flush()
@@ -438,9 +453,7 @@ def _training_file(path: Path, run_dir: Path) -> bool:
     if not (path.parent.is_dir() and ckpts.is_dir() and path.parent.samefile(ckpts)):
         return False
     name = path.name
-    return name in ("last.pt", "ema.pt", BEST, BEST_SINGLE, BEST_AVERAGE) or (
-        name.startswith("step_") and name.endswith(".pt")
-    )
+    return name in ("last.pt", "ema.pt", BEST, BEST_SINGLE, BEST_AVERAGE) or _STEP_NAME.fullmatch(name) is not None
 
 
 # best.pt is training's best single checkpoint, unless `make_best` put a chosen average there:

@@ -788,6 +788,7 @@ class Trainer:
             )
         n_val = tc.eval_sentences or len(valid_src)
         self.valid_refs = valid_tgt[:n_val]
+        self.val_digest = val_digest(cfg, valid_src, valid_tgt)  # what best.pt's val BLEU was scored on
         if ranks.is_main:
             warn_unless_nfc(self.valid_refs, f"{cfg.data.valid_split}.{cfg.data.tgt_lang}")
         self.valid_ids = ParallelIds.encode(valid_src[:n_val], self.valid_refs, self.src_tok, self.tgt_tok)
@@ -921,6 +922,7 @@ class Trainer:
             "config": to_dict(self.cfg),
             "vocab": self.vocab,
             "step": self.state.step,
+            "val_digest": self.val_digest,
         }
         if full:
             out.update(
@@ -1658,6 +1660,35 @@ def data_digest(*columns: Sequence[str]) -> str:
     return digest.hexdigest()[:16]
 
 
+def val_digest(cfg: Config, valid_src: Sequence[str], valid_tgt: Sequence[str]) -> str:
+    """A short hash of the val pairs that val BLEU is scored on (the first `train.eval_sentences`),
+    stored in the run's checkpoints: a resume on other val pairs would compare their BLEU with
+    best.pt's, scored on the old ones."""
+    n_val = cfg.train.eval_sentences or len(valid_src)
+    return data_digest(valid_src[:n_val], valid_tgt[:n_val])
+
+
+def _check_same_val(last: dict[str, Any], digest: str, cfg: Config, run_dir: Path, path: Path) -> None:
+    """Refuse a resume whose val pairs differ from those best.pt was chosen on (a last.pt saved
+    before its digest was kept is not checked). A changed data.dir with other val files replaced
+    best.pt by a checkpoint that was not better on the same data."""
+    saved = last.get("val_digest")
+    if saved is None or saved == digest:
+        return
+    data = last.get("config", {}).get("data", {})
+    old_dir = data.get("dir") if isinstance(data, dict) else None
+    if old_dir is not None and old_dir != cfg.data.dir:
+        what = f"data.dir is {cfg.data.dir}, the run validated in {old_dir}"
+    else:
+        what = f"the {cfg.data.valid_split} files in {cfg.data.dir} changed"
+    raise CheckpointError(
+        f"{path}: the val pairs differ from those best.pt was chosen on ({what}), so their BLEU cannot be "
+        f"compared with best.pt's; resume on the run's own val files, or start a new run from it: mtx train "
+        f"--config {run_dir / ckpt_io.CONFIG_FILE} --run-dir NEW --set data.dir={cfg.data.dir} "
+        f"--set train.init_from={run_dir}"
+    )
+
+
 def unfinished_start(run_dir: Path) -> bool:
     """Whether `run_dir` holds a start that ended before its first checkpoint (killed with
     `kill -9`, or a machine that went down, while the tokenizer trained): a config.yaml, and
@@ -1702,19 +1733,22 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
         )
 
 
-def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool) -> dict[str, Any] | None:
+def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, val: str | None = None) -> dict[str, Any] | None:
     """Check the run directory; for a new run, create it and write the resolved config (and, with
     `train.init_from`, copy the other run's tokenizer into it).
 
     On resume nothing is written here: `fit` records the config only once the checkpoint has
     been restored, so a failed resume changes nothing. The --set changes a resume refuses are
     found here, before train.log is opened (stop 55: the data's log lines were written to it);
-    the last.pt read for them is returned, for the restore to use rather than read it again."""
+    the last.pt read for them is returned, for the restore to use rather than read it again.
+    `val`: the `val_digest` of the val pairs a resume would validate on, checked against last.pt's."""
     check_run_dir(run_dir, cfg, resume)
     if resume:
         path = ckpt_io.checkpoint_dir(run_dir) / "last.pt"
         last = ckpt_io.load_checkpoint(path)
         _check_unchanged(last.get("config", {}), cfg, path)
+        if val is not None:
+            _check_same_val(last, val, cfg, run_dir, path)
         _check_below_max_steps(last.get("state", {}).get("step", 0), cfg, path)
         return last
     source = init_source(cfg)
@@ -1841,13 +1875,22 @@ def init_source(cfg: Config) -> tuple[Path, Path] | None:
     if not cfg.train.init_from:
         return None
     path = user_path(cfg.train.init_from, "train.init_from")
+    # where it is, not how it was written: `best.pt` given inside RUN/checkpoints was taken for a
+    # file outside a run's checkpoints/ (its parent's parent compared as the relative `.`); a linked
+    # checkpoint file stays the file of the run it is linked from
+    full = path.resolve() if path.is_dir() else path.parent.resolve() / path.name
+    if path.is_dir() and full.name == "checkpoints" and (full.parent / ckpt_io.CONFIG_FILE).is_file():
+        raise MtxError(
+            f"train.init_from: {path} is a run's checkpoints directory; give the run directory ({full.parent}) "
+            f"or one checkpoint file in it ({full / 'best.pt'})"
+        )
     if path.is_dir():
-        run_dir = path
-        checkpoint = ckpt_io.default_checkpoint(path)
+        run_dir = full
+        checkpoint = ckpt_io.default_checkpoint(run_dir)
         if checkpoint is None:
             raise MtxError(f"train.init_from: {path} holds no checkpoints/best.pt or last.pt; train it first")
-    elif path.is_file() and path.parent == ckpt_io.checkpoint_dir(path.parent.parent):
-        checkpoint, run_dir = path, path.parent.parent  # RUN/checkpoints/NAME.pt
+    elif path.is_file() and full.parent.name == "checkpoints":
+        checkpoint, run_dir = full, full.parent.parent  # RUN/checkpoints/NAME.pt
     elif path.is_file():
         raise MtxError(
             f"train.init_from: {path} is a file outside a run's checkpoints/; give a run directory or "
@@ -1906,7 +1949,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
             if ranks.is_main:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 held.enter_context(ckpt_io.run_dir_lock(run_dir))  # until training ends, its cleanup included
-                last = prepare_run_dir(run_dir, cfg, resume)
+                last = prepare_run_dir(run_dir, cfg, resume, val_digest(cfg, *texts(corpus[cfg.data.valid_split])))
                 handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8", delay=True)
                 handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
                 logging.getLogger().addHandler(handler)

@@ -256,6 +256,22 @@ def test_average_never_writes_over_a_checkpoint_training_keeps(
     assert {p.name: p.read_bytes() for p in ckpts.iterdir()} == before
 
 
+def test_average_out_removes_no_other_programs_temporary_files(
+    run_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A save into a directory the user chose removed every `.NAME.tmp.PID` of a dead process
+    there, another program's too: only those of the file it writes go."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    dead = 2**22 + 17  # above Linux's largest pid: no process
+    others = [f".notes.txt.tmp.{dead}", f".avg.pt.tmp.{dead}.part", f".avg.pt.tmp.x{dead}", f"..avg.pt.tmp.{dead}"]
+    for name in [*others, f".avg.pt.tmp.{dead}"]:
+        (out / name).write_bytes(b"partial")
+    assert main(["average", "--run", str(run_copy), "--last", "2", "--out", str(out / "avg.pt")]) == 0
+    assert "averaged 2 checkpoints" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == sorted(["avg.pt", *others])
+
+
 def test_average_refuses_checkpoints_of_another_run(run_copy: Path, tmp_path: Path) -> None:
     steps = step_checkpoints(run_copy)
     other = load_checkpoint(steps[-1])

@@ -348,6 +348,51 @@ def test_a_resume_on_other_training_data_goes_on_from_the_next_epoch(tmp_path: P
     assert log.count("changed in the middle of epoch") == 1
 
 
+def test_a_resume_on_other_val_pairs_is_refused(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """best.pt is kept for the highest val BLEU: a resume whose data.dir holds other val pairs
+    compared BLEU over different sentences, and replaced best.pt with a checkpoint that was not
+    better on the same ones. A last.pt saved before the val pairs' digest was kept resumes."""
+    run = tmp_path / "run"
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_every=1")) == 0
+    other = shutil.copytree(mini_data, tmp_path / "other")
+    refs = (other / "val.en").read_text(encoding="utf-8").splitlines(keepends=True)
+    (other / "val.en").write_text("".join(["A dog runs.\n", *refs[1:]]), encoding="utf-8")
+    resume = ["train", "--run-dir", str(run), "--resume", "--set", f"data.dir={other}", "--set", "train.max_steps=4"]
+    before = snapshot(run)
+    result = mtx_here(monkeypatch, *resume)
+    assert_one_line_error(
+        result,
+        "the val pairs differ from those best.pt was chosen on",
+        f"data.dir is {other}, the run validated in {mini_data}",
+        f"--run-dir NEW --set data.dir={other} --set train.init_from={run}",
+    )
+    assert snapshot(run) == before
+    last = run / "checkpoints" / "last.pt"
+    assert load_weights_only(run / "checkpoints" / "best.pt")["val_digest"] == load_weights_only(last)["val_digest"]
+    old = load_weights_only(last)
+    digest = old.pop("val_digest")
+    torch.save(old, last)
+    assert mtx_here(monkeypatch, *resume).returncode == 0
+    resumed = load_weights_only(last)
+    assert resumed["step"] == 4 and resumed["val_digest"] != digest  # the new val pairs' from here on
+
+
+def test_keep_last_removes_only_step_checkpoints_training_wrote(tmp_path: Path, mini_data: Path) -> None:
+    """train.keep_last counted and removed every `step_*.pt`: a user's `step_1_backup.pt` went
+    first, as the oldest step."""
+    run = tmp_path / "run"
+    sets = ["train.max_steps=1", "train.eval_every=1", "train.keep_last=1", "train.eval_sentences=2"]
+    assert main(mini_args(mini_data, run, *[a for s in sets for a in ("--set", s)])) == 0
+    ckpts = run / "checkpoints"
+    mine = ["step_1_backup.pt", "step_x.pt", "step_.pt"]
+    for name in mine:
+        shutil.copyfile(ckpts / "step_1.pt", ckpts / name)
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=3"]) == 0
+    assert sorted(p.name for p in ckpts.glob("step_*")) == sorted(["step_3.pt", *mine])
+
+
 def test_a_stop_between_log_lines_resumes_the_log_window_and_validates_its_last_step(
     tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -549,6 +549,7 @@ def test_init_from_starts_a_new_run_from_another_runs_weights_and_tokenizer(
     [
         (["train.init_from={tmp}/nowhere"], "{tmp}/nowhere not found"),
         (["train.init_from={run}/config.yaml"], "config.yaml is a file outside a run's checkpoints/"),
+        (["train.init_from={run}/checkpoints"], "is a run's checkpoints directory; give the run directory ({run})"),
         (["train.init_from={run}", "model.d_model=32"], "was trained with model.d_model=64, this config has 32"),
         (["train.init_from={run}", "data.src_lang=en", "data.tgt_lang=de"], "was trained with data.src_lang='de'"),
         (["train.init_from={run}", "tokenizer.vocab_size=900"], "tokenizer.vocab_size=1000"),
@@ -561,8 +562,26 @@ def test_init_from_mistakes_are_one_line_and_write_nothing(
 
     extra = [x for s in sets for x in ("--set", s.format(tmp=tmp_path, run=tiny_run))]
     result = mtx_here(monkeypatch, *tiny_args(small_data, tmp_path / "ft", *extra))
-    assert_one_line_error(result, "train.init_from: ", message.format(tmp=tmp_path))
+    assert_one_line_error(result, "train.init_from: ", message.format(tmp=tmp_path, run=tiny_run))
     assert not (tmp_path / "ft").exists()
+
+
+def test_init_from_a_path_relative_to_the_working_directory(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`best.pt` given inside RUN/checkpoints was taken for a file outside a run's checkpoints/:
+    the run and its checkpoint are found where the path leads, however it is written."""
+    from mtx.config import load_config
+    from mtx.train import init_source
+
+    from .conftest import TINY_CONFIG
+
+    run, best = tiny_run.resolve(), tiny_run.resolve() / "checkpoints" / "best.pt"
+    for cwd, init_from in (
+        (run / "checkpoints", "best.pt"),
+        (run / "checkpoints", "../checkpoints/best.pt"),
+        (run, "."),
+    ):
+        monkeypatch.chdir(cwd)
+        assert init_source(load_config(TINY_CONFIG, [f"train.init_from={init_from}"])) == (run, best), init_from
 
 
 def test_train_threads_beyond_the_cpus_warn_and_use_the_cpus(caplog: pytest.LogCaptureFixture) -> None:
