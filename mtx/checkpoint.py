@@ -27,7 +27,7 @@ from typing import IO, Any
 import torch
 
 from mtx.config import CONFIG_FILE, Config, ModelConfig, load_run_config
-from mtx.errors import CheckpointError
+from mtx.errors import CheckpointError, command_line
 from mtx.model import Ensemble, Seq2Seq
 from mtx.tokenizer import BPE, load_run_tokenizers
 
@@ -133,6 +133,8 @@ def _fsync_dir(directory: Path) -> None:
 def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Write through a same-directory temporary file, fsync, rename over `path`, fsync the directory."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    # (a first save said "the previous file is unchanged" where there was none)
+    kept = "the previous file is unchanged" if os.path.exists(path) else "nothing was written"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         in_checkpoints = path.parent.name == "checkpoints" and (path.parent.parent / CONFIG_FILE).is_file()
@@ -144,12 +146,11 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot write ({e.strerror or e}); the previous file is unchanged") from None
+        raise CheckpointError(f"{path}: cannot write ({e.strerror or e}); {kept}") from None
     except RuntimeError as e:  # torch.save's writer on a full disk: "unexpected pos ..." (stop 54: a traceback)
         free = shutil.disk_usage(path.parent).free
         raise CheckpointError(
-            f"{path}: cannot write ({str(e).splitlines()[0][:120]}; {free / 2**20:.1f} MiB left on its disk); "
-            "the previous file is unchanged"
+            f"{path}: cannot write ({str(e).splitlines()[0][:120]}; {free / 2**20:.1f} MiB left on its disk); {kept}"
         ) from None
     finally:
         # a read-only file system: nothing was written (stop 54: unlink's error hid the real one)
@@ -328,10 +329,8 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
     if not checkpoints:
         default = default_checkpoint(run_dir)
         if default is None:
-            raise CheckpointError(
-                f"{run_dir}: no checkpoints yet; train it first: "
-                f"mtx train --config {run_dir / CONFIG_FILE} --run-dir {run_dir}"
-            )
+            start = command_line("mtx", "train", "--config", run_dir / CONFIG_FILE, "--run-dir", run_dir)
+            raise CheckpointError(f"{run_dir}: no checkpoints yet; train it first: {start}")
         checkpoints = [default]
     members = []
     for path in checkpoints:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shlex
 import sys
 from collections.abc import Callable, Iterator
 
@@ -36,6 +37,12 @@ class Interrupted(MtxError):
         super().__init__(message)
         self.exit_code = 128 + signum
         self.report = report
+
+
+def command_line(*words: object) -> str:
+    """A command for the user to copy, each word quoted as a POSIX shell needs it: a run directory
+    with a space or `$` in its name gave a command that did not work when pasted."""
+    return " ".join(shlex.quote(str(word)) for word in words)
 
 
 def os_error_line(prog: str, e: OSError) -> str:

@@ -156,8 +156,9 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
     staging.mkdir()
     try:
         spec.save(str(staging))
-        run.src_tok.tokenizer.save(str(staging / "source_tokenizer.json"))
-        run.tgt_tok.tokenizer.save(str(staging / "target_tokenizer.json"))
+        # written by Python: `tokenizers`' save takes a UTF-8 path only (an --out named in other bytes)
+        for tok, name in ((run.src_tok, "source_tokenizer.json"), (run.tgt_tok, "target_tokenizer.json")):
+            (staging / name).write_text(tok.tokenizer.to_str(pretty=True), encoding="utf-8")
         cfg = run.cfg
         info = {
             "mtx_version": __version__,

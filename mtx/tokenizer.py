@@ -73,8 +73,10 @@ class BPE:
 
     @classmethod
     def load(cls, path: str | Path) -> BPE:
+        """Read a tokenizer file; read by Python, not `Tokenizer.from_file`, whose path must be valid
+        UTF-8 (a run directory named in other bytes, as Linux allows, could not be loaded)."""
         try:
-            return cls(Tokenizer.from_file(str(path)))
+            return cls(Tokenizer.from_str(Path(path).read_text(encoding="utf-8")))
         except CheckpointError as e:  # special tokens at other ids: name the file
             raise CheckpointError(f"{path}: {e}") from None
         except Exception as e:  # tokenizers raises plain Exception on parse errors

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext, suppress
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -53,9 +53,10 @@ from mtx.data import (
     texts,
     warn_unless_nfc,
 )
-from mtx.errors import CheckpointError, ConfigError, Interrupted, MtxError
+from mtx.errors import CheckpointError, ConfigError, Interrupted, MtxError, command_line, named_os_errors
 from mtx.evaluate import corpus_scores
 from mtx.model import Dropout, Seq2Seq, make_src_mask
+from mtx.plot import parent_directories
 from mtx.search import translate, translate_ids
 from mtx.tokenizer import BPE, PAD, UNK, load_run_tokenizers, tokenizer_paths, train_or_load
 
@@ -1416,9 +1417,10 @@ class Trainer:
                 log.info("done: the run already reached %s, at step %d; raise it to train on", limit, st.step)
                 return st
             if self.ranks.is_main:  # the --set changes, recorded once they take effect (stop 55: also where
-                # nothing was left to train, which changes no file but train.log)
-                ckpt_io.atomic_write_text(self.run_dir / ckpt_io.CONFIG_FILE, config_text(self.cfg))
+                # nothing was left to train, which changes no file but train.log); metrics.jsonl first,
+                # whose records past last.pt's step are logged again anyway
                 self._trim_metrics()  # likewise (stop 56: it dropped the partial record of such a run)
+                ckpt_io.atomic_write_text(self.run_dir / ckpt_io.CONFIG_FILE, config_text(self.cfg))
         pad = padding_fraction(
             self.train_ids, plan_batches(self.train_ids.src_lens, self.train_ids.tgt_lens, tc.batch_tokens)
         )
@@ -1477,9 +1479,10 @@ class Trainer:
                 if signum is not None:
                     st.window_seconds += time.perf_counter() - window_start
                     self.save()
+                    again = command_line("mtx", "train", "--run-dir", self.run_dir, "--resume")
                     raise Interrupted(
                         f"training stopped by {signal.Signals(signum).name} at step {st.step}; "
-                        f"checkpoint saved. Resume with: mtx train --run-dir {self.run_dir} --resume",
+                        f"checkpoint saved. Resume with: {again}",
                         signum,
                         report=self.ranks.is_main,
                     )
@@ -1535,7 +1538,8 @@ class Trainer:
         finally:
             bar.close()
             if metrics is not None:
-                metrics.close()
+                with named_os_errors(metrics.name):
+                    metrics.close()
         self.save()
         if stop.signal is not None:  # it came in the last step or validation: nothing was left to stop
             log.info("%s came as the run was ending: it is complete", signal.Signals(stop.signal).name)
@@ -1570,9 +1574,7 @@ class Trainer:
             **({"partial": True} if partial else {}),
         }
         bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tgt_tok_per_s']:.0f}")
-        if metrics is not None:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+        _append(metrics, record)
         self._logged_step = st.step  # (a partial record leaves the window open)
         if partial:
             return False
@@ -1617,13 +1619,19 @@ class Trainer:
                 f"(best {st.best_bleu:.2f} at step {st.best_step})"
             )
             log.info(message)
-            if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+            _append(metrics, record)
             out_of_patience = bool(self.cfg.train.patience) and st.evals_without_gain >= self.cfg.train.patience
         out_of_patience = self._from_main(out_of_patience)
         self.save()
         return out_of_patience
+
+
+def _append(metrics: Any, record: dict[str, Any]) -> None:
+    """Write a record to metrics.jsonl (None on ranks other than 0); an error (a full disk) names the file."""
+    if metrics is not None:
+        with named_os_errors(metrics.name):
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
 
 
 def _thread_count(threads: int) -> int:
@@ -1711,18 +1719,24 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
         if (ckpt_io.checkpoint_dir(run_dir) / "last.pt").is_file():
             return
         if not run_dir.is_dir() or unfinished_start(run_dir) or not config_path.is_file():
-            raise MtxError(
-                f"{run_dir}: nothing to resume (no checkpoints/last.pt); start it again with: "
-                f"mtx train --config {config_path} --run-dir {run_dir}"
-            )
+            start = command_line("mtx", "train", "--config", config_path, "--run-dir", run_dir)
+            raise MtxError(f"{run_dir}: nothing to resume (no checkpoints/last.pt); start it again with: {start}")
         # a run that trained, and lost last.pt: starting it again in place is refused below, so the
         # advice is a new run from what is left (stop 54: each error sent the user to the other)
         kept = sorted(ckpt_io.checkpoint_dir(run_dir).glob("*.pt"), key=lambda p: p.name != "best.pt")
-        start = f"; to train on, start a new run from one: mtx train --config {config_path} --run-dir NEW "
-        raise MtxError(
-            f"{run_dir}: cannot resume: checkpoints/last.pt is missing"
-            + (f"{start}--set train.init_from={kept[0]}" if kept else "; train it again in a new --run-dir")
+        missing = f"{run_dir}: cannot resume: checkpoints/last.pt is missing"
+        if not kept:
+            raise MtxError(f"{missing}; train it again in a new --run-dir")
+        start = command_line(
+            "mtx", "train", "--config", config_path, "--run-dir", "NEW", "--set", f"train.init_from={kept[0]}"
         )
+        raise MtxError(f"{missing}; to train on, start a new run from one: {start}")
+    for path in (run_dir, *run_dir.parents):  # (mkdir said only "File exists")
+        if path.is_symlink() and not path.exists():
+            raise MtxError(
+                f"{path}: a symbolic link to {os.readlink(path)}, which does not exist; create that directory "
+                "or choose another --run-dir"
+            )
     if run_dir.exists() and not run_dir.is_dir():
         raise MtxError(f"{run_dir}: exists and is not a directory; choose another --run-dir")
     if run_dir.exists() and any(run_dir.iterdir()) and not unfinished_start(run_dir):
@@ -1744,6 +1758,9 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, val: str | None = 
     `val`: the `val_digest` of the val pairs a resume would validate on, checked against last.pt's."""
     check_run_dir(run_dir, cfg, resume)
     if resume:
+        metrics = run_dir / "metrics.jsonl"  # read, trimmed and appended to: checked before anything is written
+        if (metrics.exists() or metrics.is_symlink()) and not metrics.is_file():
+            raise MtxError(f"{metrics}: not a file; the run's metrics are appended there: move it away, then resume")
         path = ckpt_io.checkpoint_dir(run_dir) / "last.pt"
         last = ckpt_io.load_checkpoint(path)
         _check_unchanged(last.get("config", {}), cfg, path)
@@ -1854,6 +1871,45 @@ class UntilReaderGone:
         return getattr(self.stream, name)
 
 
+class RunLog(logging.FileHandler):
+    """The run's train.log. A record that cannot be written there (a full disk, a train.log that
+    is a directory) is one warning on standard error, and the log stops while training goes on:
+    logging's own report was a traceback at every record ("--- Logging error ---"), and a close
+    that failed in the cleanup hid the error that had stopped the run and skipped the removal of
+    a failed start."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, encoding="utf-8", delay=True)
+        self.path = path
+        self.failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.failed:
+            return
+        try:
+            super().emit(record)  # (FileHandler opens the file here, outside StreamHandler's try)
+        except Exception:
+            self.handleError(record)
+
+    def handleError(self, record: logging.LogRecord | None) -> None:
+        if self.failed:
+            return
+        self.failed = True
+        error = sys.exc_info()[1]
+        stream, self.stream = self.stream, None
+        with suppress(OSError, ValueError):  # what it still buffers cannot be written either
+            if stream is not None:
+                stream.close()
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        log.warning("%s: cannot write (%s); the run's messages go to standard error only", self.path, reason)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except (OSError, ValueError):
+            self.handleError(None)
+
+
 def _check_below_max_steps(step: int, cfg: Config, path: Path) -> None:
     """A resume past train.max_steps is a mistake, not a run to end: refused before anything is written."""
     if step > cfg.train.max_steps:
@@ -1947,10 +2003,11 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
         try:
             _barrier(ranks, device)  # every rank has checked the run directory before rank 0 writes to it
             if ranks.is_main:
-                run_dir.mkdir(parents=True, exist_ok=True)
+                # the run directory and those above it that this start makes: a failed start removes them
+                held.enter_context(parent_directories(run_dir / ckpt_io.CONFIG_FILE))
                 held.enter_context(ckpt_io.run_dir_lock(run_dir))  # until training ends, its cleanup included
                 last = prepare_run_dir(run_dir, cfg, resume, val_digest(cfg, *texts(corpus[cfg.data.valid_split])))
-                handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8", delay=True)
+                handler = RunLog(run_dir / "train.log")
                 handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
                 logging.getLogger().addHandler(handler)
             else:

@@ -48,7 +48,7 @@ from mtx.checkpoint import (  # noqa: E402
 from mtx.cli import thread_count, usable_cpus  # noqa: E402
 from mtx.config import MAX_LENGTH_PENALTY  # noqa: E402
 from mtx.data import is_test_split, read_parallel, split_file  # noqa: E402
-from mtx.errors import MtxError, run_script  # noqa: E402
+from mtx.errors import MtxError, command_line, run_script  # noqa: E402
 from mtx.evaluate import PAIRED_SAMPLES, corpus_scores, paired_tests  # noqa: E402
 from mtx.model import Ensemble, Seq2Seq  # noqa: E402
 from mtx.search import translate  # noqa: E402
@@ -241,8 +241,9 @@ def choose(args: argparse.Namespace) -> None:
     result["start_val_bleu"], result["gain_p_value"] = round(test.bleu, 2), round(test.bleu_p, 4)
     if isinstance(chosen, list):  # an ensemble is decoded from its checkpoints: best.pt stays as it is
         result["checkpoints"] = [str(p) for p in chosen]
-        flags = " ".join(f"--checkpoint {p}" for p in chosen)
-        print(f"decode it with: mtx eval --run {args.run} {flags} --length-penalty {best_alpha:g} --beam {best_beam}")
+        flags = [word for p in chosen for word in ("--checkpoint", p)]
+        decode = ("--length-penalty", f"{best_alpha:g}", "--beam", best_beam)
+        print(f"decode it with: {command_line('mtx', 'eval', '--run', args.run, *flags, *decode)}")
         if args.apply:
             print(
                 "--apply: an ensemble is several checkpoints, not one best.pt; "

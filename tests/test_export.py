@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -148,6 +149,11 @@ def test_export_command_and_its_refusals(tiny_run: Path, tmp_path: Path, monkeyp
     again = mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--out", str(tmp_path / "ct2"))
     assert_one_line_error(again, "already exists and is not empty")
     assert sorted(p.name for p in (tmp_path / "ct2").iterdir()) == written  # nothing overwritten
+    # a directory named in bytes other than UTF-8, as Linux allows (stop 58: the tokenizers' save, a traceback)
+    odd = tmp_path / os.fsdecode(b"ct2 \xff")
+    assert mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--out", str(odd)).returncode == 0
+    assert sorted(p.name for p in odd.iterdir()) == written
+    assert (odd / "target_tokenizer.json").read_bytes() == (tmp_path / "ct2" / "target_tokenizer.json").read_bytes()
     assert_one_line_error(
         mtx_here(monkeypatch, "export", "--run", str(tmp_path / "nowhere")), "run directory not found"
     )

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import pickle
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -22,7 +25,7 @@ import pytest
 import torch
 
 from mtx import train as train_module
-from mtx.checkpoint import FORMAT_VERSION, check_direction, load_checkpoint, load_run_config
+from mtx.checkpoint import FORMAT_VERSION, check_direction, load_checkpoint, load_run, load_run_config
 from mtx.cli import main
 from mtx.config import TokenizerConfig, load_config
 from mtx.data import ParallelIds, read_lines
@@ -494,9 +497,14 @@ def test_full_disks_read_only_disks_and_unreadable_files_are_named_in_one_line(
 
     with monkeypatch.context() as m:  # written and synced before the rename, as a checkpoint (stop 57: unsynced)
         m.setattr(ckpt_io.os, "fsync", full)
+        # (stop 58: a first save said "the previous file is unchanged" too)
+        with pytest.raises(CheckpointError, match=r"tok.json: cannot write \(No space left on device\); nothing was"):
+            tok.save(tmp_path / "tok.json")
+        m.undo()
+        tok.save(tmp_path / "tok.json")
+        m.setattr(ckpt_io.os, "fsync", full)
         with pytest.raises(CheckpointError, match=r"tok.json: cannot write \(No space left on device\); the prev"):
             tok.save(tmp_path / "tok.json")
-    tok.save(tmp_path / "tok.json")
     assert BPE.load(tmp_path / "tok.json").fingerprint() == tok.fingerprint()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "tok.json"]
 
@@ -1129,7 +1137,37 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         lambda t, d, r: (["translate", "--run", str(r), "--beam", "10000000000", "Hallo"], None),
         ("--beam must be from 1 to 1,000, got 10000000000",),
     ),
+    (
+        "resume with metrics.jsonl a directory (stop 58: config.yaml took the --set first)",
+        lambda t, d, r: (
+            [
+                "train",
+                "--run-dir",
+                str(_mkdir(copy_run(r, t / "run") / "metrics.jsonl").parent),
+                "--resume",
+                "--set",
+                "train.max_steps=300",
+            ],
+            None,
+        ),
+        ("metrics.jsonl: not a file", "move it away"),
+    ),
+    (
+        "--run-dir a dangling symbolic link (stop 58: 'File exists')",
+        lambda t, d, r: (tiny_args(d, _symlink(t / "run", t / "gone")), None),
+        ("run: a symbolic link to", "gone, which does not exist", "choose another --run-dir"),
+    ),
 ]
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def _symlink(link: Path, target: Path) -> Path:
+    link.symlink_to(target)
+    return link
 
 
 def _best_a_directory(run: Path, tmp: Path) -> Path:
@@ -1243,6 +1281,96 @@ def test_a_failed_start_leaves_its_empty_directory_for_the_fixed_config(
     assert main(mini_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_every=2")) == 0
 
 
+class FullDisk(io.StringIO):
+    """A file on a full disk: every write fails with ENOSPC."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_train_log_that_cannot_be_written_is_one_warning(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop 58: train.log on a full disk printed logging's traceback ("--- Logging error ---") at
+    every record, and its close in the cleanup replaced the error that had stopped a failed start
+    (`raise data.max_len` became `No space left on device`) and left the half-made run behind."""
+    monkeypatch.setattr(logging.FileHandler, "_open", lambda self: FullDisk(self.baseFilename))
+    run = tmp_path / "run"
+    warning = (
+        f"{run / 'train.log'}: cannot write (No space left on device); the run's messages go to standard error only"
+    )
+    failed = main_in_process(mini_args(mini_data, run, "--set", "data.max_len=1"), None, monkeypatch)
+    err = failed.stderr.decode()
+    assert failed.returncode == 1 and err.splitlines()[-1].startswith("mtx: error: data.max_len=1: all 400"), err
+    assert err.splitlines().count(warning) == 1 and "Logging error" not in err and "Traceback" not in err, err
+    assert not run.exists()
+    steps = ("--set", "train.max_steps=2", "--set", "train.eval_every=2")
+    done = main_in_process(mini_args(mini_data, run, *steps), None, monkeypatch)
+    err = done.stderr.decode()
+    assert done.returncode == 0 and err.splitlines().count(warning) == 1 and "Logging error" not in err, err
+    assert load_weights_only(run / "checkpoints" / "last.pt")["step"] == 2
+
+
+def test_a_metrics_log_that_cannot_be_written_is_named_in_one_line(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop 58: a full disk at a metrics.jsonl record said `mtx: error: No space left on device`,
+    naming no file."""
+    real_open = Path.open
+
+    def full_metrics(self: Path, mode: str = "r", *args: object, **kwargs: object) -> object:
+        if self.name == "metrics.jsonl" and mode == "a":
+            return FullDisk(str(self))
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", full_metrics)
+    run = tmp_path / "run"
+    result = main_in_process(mini_args(mini_data, run, "--set", "train.max_steps=2"), None, monkeypatch)
+    assert_one_line_error(result, f"mtx: error: {run / 'metrics.jsonl'}: No space left on device")
+    assert load_weights_only(run / "checkpoints" / "last.pt")["step"] == 0  # saved before the first record
+
+
+def test_commands_to_copy_quote_their_paths(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The commands mtx gives to resume, restart or start from a run work when pasted into a shell
+    (stop 58: a run directory with a space or `$` in its name was not quoted)."""
+    run = tmp_path / "a run's $dir"
+    real = train_module.Trainer.train_step
+
+    def stop_in_step_1(self: train_module.Trainer, group: object) -> object:
+        if self.state.step == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # the loop stops after this step
+        return real(self, group)
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module.Trainer, "train_step", stop_in_step_1)
+        assert main(mini_args(mini_data, run, "--set", "train.eval_every=2")) == 128 + signal.SIGTERM
+
+    def pasted(after: str) -> list[str]:
+        return shlex.split(capsys.readouterr().err.strip().splitlines()[-1].split(after, 1)[1])
+
+    resume = pasted("Resume with: ")
+    assert resume == ["mtx", "train", "--run-dir", str(run), "--resume"]
+    assert main([*resume[1:], "--set", "train.max_steps=2"]) == 0
+    (run / "checkpoints" / "last.pt").unlink()
+    assert main(["train", "--run-dir", str(run), "--resume"]) == 1
+    best = run / "checkpoints" / "best.pt"
+    config = ["mtx", "train", "--config", str(run / "config.yaml"), "--run-dir"]
+    assert pasted("start a new run from one: ") == [*config, "NEW", "--set", f"train.init_from={best}"]
+    shutil.rmtree(run / "checkpoints")
+    with pytest.raises(MtxError, match="no checkpoints yet; train it first: ") as refused:
+        load_run(run)
+    assert shlex.split(str(refused.value).split("train it first: ")[1]) == [*config, str(run)]
+    (run / "metrics.jsonl").unlink()
+    assert main(["train", "--run-dir", str(run), "--resume"]) == 1
+    assert pasted("start it again with: ") == [*config, str(run)]
+
+
 @pytest.mark.parametrize(
     "error",
     [RuntimeError("boom"), KeyboardInterrupt(), signal.SIGTERM],
@@ -1268,7 +1396,7 @@ def test_any_failure_while_setting_up_leaves_no_half_made_run(
         raise error
 
     monkeypatch.setattr(train_module.ckpt_io, "build_model", fail)
-    run = tmp_path / "run"
+    run = tmp_path / "new" / "run"  # (stop 58: the directories made above the run were left)
     if isinstance(error, signal.Signals):
         assert main(mini_args(mini_data, run)) == 128 + error
         assert capsys.readouterr().err.splitlines()[-1] == (
@@ -1279,7 +1407,7 @@ def test_any_failure_while_setting_up_leaves_no_half_made_run(
     else:
         with pytest.raises(RuntimeError, match="boom"):
             main(mini_args(mini_data, run))
-    assert not run.exists()
+    assert not (tmp_path / "new").exists()
     monkeypatch.undo()
     assert main(mini_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_every=2")) == 0
 

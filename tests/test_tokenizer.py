@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,19 @@ def test_per_language_tokenizers_are_saved_and_reloaded(tmp_path: Path) -> None:
     assert src2.fingerprint() == src.fingerprint() and tgt2.fingerprint() == tgt.fingerprint()
     assert src.fingerprint() != tgt.fingerprint()
     assert isinstance(BPE.load(tmp_path / "tokenizer.de.json"), BPE)
+
+
+def test_a_tokenizer_in_a_directory_named_in_bytes_other_than_utf8_is_saved_and_loaded(tmp_path: Path) -> None:
+    """Linux allows any bytes in a file name, and `tokenizers`' `from_file` takes a UTF-8 path
+    (stop 58: the tokenizer of such a run directory could not be loaded)."""
+    run = tmp_path / os.fsdecode(b"run \xff")
+    try:
+        run.mkdir()
+    except OSError:
+        pytest.skip("this file system takes UTF-8 names only")
+    tok = train_bpe(["Ein Mann fährt Fahrrad."] * 10, TokenizerConfig(vocab_size=300, min_frequency=1))
+    tok.save(run / "tokenizer.json")
+    assert BPE.load(run / "tokenizer.json").fingerprint() == tok.fingerprint()
 
 
 def test_bpe_dropout_resegments_over_the_same_vocabulary(shared_data: Path) -> None:
