@@ -27,7 +27,7 @@ from typing import IO, Any
 import torch
 
 from mtx.config import CONFIG_FILE, Config, ModelConfig, load_run_config
-from mtx.errors import CheckpointError, command_line
+from mtx.errors import CheckpointError, command_line, not_found
 from mtx.model import Ensemble, Seq2Seq
 from mtx.tokenizer import BPE, load_run_tokenizers
 
@@ -187,7 +187,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if path.is_dir():
         raise CheckpointError(f"{path}: a directory, not a checkpoint file; give RUN/checkpoints/NAME.pt")
     if not path.is_file():
-        raise CheckpointError(f"{path}: checkpoint not found")
+        raise CheckpointError(not_found(path, "checkpoint"))
     try:
         with zipfile.ZipFile(path) as archive:
             bad_member = archive.testzip()
@@ -390,7 +390,7 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
 
     The previous best.pt is kept as best_single.pt, so nothing is lost."""
     if not run_dir.is_dir():  # (stop 54: "no checkpoints/step_N.pt to average")
-        raise CheckpointError(f"{run_dir}: run directory not found")
+        raise CheckpointError(not_found(run_dir, "run directory"))
     if as_best:  # said before the average is made (make_best holds the lock to change best.pt)
         with run_dir_lock(run_dir, _WHILE_TRAINING):
             pass

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from mtx.errors import CheckpointError, ConfigError
+from mtx.errors import CheckpointError, ConfigError, not_found
 
 
 @dataclass(frozen=True)
@@ -642,6 +642,12 @@ for _kind in _SCALARS:
     _UniqueKeyLoader.add_constructor(f"tag:yaml.org,2002:{_kind}", _scalar)
 
 
+def _only_empty_sections(raw: Any) -> bool:
+    """Whether a config's top level names known sections only, each left empty (`train:`)."""
+    sections = _section_types()
+    return isinstance(raw, dict) and bool(raw) and all(k in sections and v in (None, {}) for k, v in raw.items())
+
+
 def load_config(path: str | Path | None, overrides: list[str] | None = None, whole: bool = False) -> Config:
     """Read a YAML config (or defaults when path is None) and apply --set overrides. `whole`: a run's
     config.yaml, which mtx train writes with every section: one missing means the file was cut
@@ -656,7 +662,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, who
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
+            raise ConfigError(not_found(path, "config file")) from None
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: cannot read config ({e})") from None
         try:
@@ -678,6 +684,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, who
         if (raw is None or raw == {}) and not whole:  # (stop 56: an empty file trained the defaults: 10,000 steps)
             raise ConfigError(
                 f"{path}: the config is empty; give at least one section (configs/tiny.yaml is a small example)"
+            )
+        if _only_empty_sections(raw) and not whole:  # (stop 59: `train:` alone trained the defaults too)
+            raise ConfigError(
+                f"{path}: the config is empty: its sections ({', '.join(raw)}) set no key; give at least one "
+                "(configs/tiny.yaml is a small example)"
             )
         raw = {} if raw is None else raw
         if not isinstance(raw, dict):
@@ -712,7 +723,7 @@ def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Config
     """A run directory's config (with `--set` overrides), read without importing torch."""
     path = run_dir / CONFIG_FILE
     if not run_dir.is_dir():
-        raise CheckpointError(f"{run_dir}: run directory not found")
+        raise CheckpointError(not_found(run_dir, "run directory"))
     if not path.is_file():
         raise CheckpointError(f"{run_dir}: no {CONFIG_FILE}; is this an mtx run directory?")
     return load_config(path, overrides, whole=True)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from mtx.config import DataConfig, user_path
-from mtx.errors import DataError
+from mtx.errors import DataError, not_found
 from mtx.tokenizer import BOS, BPE, EOS, PAD
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ def read_lines(path: str | Path, allow_empty: bool = False) -> list[str]:
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
     except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
+        raise DataError(not_found(path, "file")) from None
     except (OSError, EOFError, zlib.error) as e:  # zlib.error: damaged compressed data behind a good header
         raise DataError(f"{path}: cannot read ({e})") from None
     lines = text_lines(raw, str(path), "the file")

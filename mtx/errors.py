@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import sys
 from collections.abc import Callable, Iterator
@@ -43,6 +44,14 @@ def command_line(*words: object) -> str:
     """A command for the user to copy, each word quoted as a POSIX shell needs it: a run directory
     with a space or `$` in its name gave a command that did not work when pasted."""
     return " ".join(shlex.quote(str(word)) for word in words)
+
+
+def not_found(path: os.PathLike[str] | str, what: str) -> str:
+    """`PATH: WHAT not found`, or for a symbolic link to nothing where it points: `--resume` on a
+    run directory linked to a removed disk said "run directory not found" of a link that is there."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"{path}: a symbolic link to {os.readlink(path)}, which does not exist"
+    return f"{path}: {what} not found"
 
 
 def os_error_line(prog: str, e: OSError) -> str:

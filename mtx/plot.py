@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from mtx.errors import MtxError, named_os_errors
+from mtx.errors import MtxError, named_os_errors, not_found
 
 X_AXES = ("step", "time")
 
@@ -33,7 +33,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 def _numbered_events(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
     path = run_dir / "metrics.jsonl"
     if not run_dir.is_dir():
-        raise MtxError(f"{run_dir}: run directory not found")
+        raise MtxError(not_found(run_dir, "run directory"))
     if not path.is_file():
         raise MtxError(f"{run_dir}: no metrics.jsonl; is this an mtx run directory?")
     events = []

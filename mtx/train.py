@@ -1985,7 +1985,10 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     new_dir = not resume and not (existed and any(run_dir.iterdir()))  # this call writes all it holds
     failed_start = False
     if not resume:
-        init_source(cfg)  # a bad train.init_from is an error before anything is written
+        source = init_source(cfg)  # a bad train.init_from is an error before anything is written
+        if source is not None:  # recorded as the checkpoint it is: a relative path in config.yaml was
+            # another run's, or none, once the config was used from another directory
+            cfg = replace(cfg, train=replace(cfg.train, init_from=str(source[1])))
     device = rank_device(cfg.train.device, ranks)
     amp_dtype(device, cfg.train.amp)
     data_dir = Path(cfg.data.dir)  # resolved above
@@ -2006,7 +2009,11 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
                 # the run directory and those above it that this start makes: a failed start removes them
                 held.enter_context(parent_directories(run_dir / ckpt_io.CONFIG_FILE))
                 held.enter_context(ckpt_io.run_dir_lock(run_dir))  # until training ends, its cleanup included
-                last = prepare_run_dir(run_dir, cfg, resume, val_digest(cfg, *texts(corpus[cfg.data.valid_split])))
+                try:  # a new run's config.yaml not written: the tokenizer copied for init_from went with it
+                    last = prepare_run_dir(run_dir, cfg, resume, val_digest(cfg, *texts(corpus[cfg.data.valid_split])))
+                except BaseException:  # (stop 59: it stayed, and the next start refused the directory)
+                    failed_start = new_dir
+                    raise
                 handler = RunLog(run_dir / "train.log")
                 handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
                 logging.getLogger().addHandler(handler)

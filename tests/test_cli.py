@@ -192,6 +192,8 @@ def test_config_values_that_were_tracebacks_or_silent_are_one_line_errors(
         ("train:\n  max_steps: 10\n", ["train.max_minutes=1:30"], "YAML 1.1 reads 1:30 as the base-60 number 90"),
         ("train:\n  dropout_start: 0.1\n", [], "train.dropout_start is set but train.dropout_warmup is 0"),
         ("{}\n", [], "c.yaml: the config is empty"),
+        ("train:\n", [], "c.yaml: the config is empty: its sections (train) set no key"),
+        ("train: {}\nmodel:\n", ["train.lr=0.1"], "c.yaml: the config is empty: its sections (train, model) set"),
     ]
     config, run = tmp_path / "c.yaml", tmp_path / "run"
     for text, settings, needle in cases:
@@ -200,6 +202,22 @@ def test_config_values_that_were_tracebacks_or_silent_are_one_line_errors(
         r = mtx_here(monkeypatch, "train", "--config", str(config), "--run-dir", str(run), *sets)
         assert_one_line_error(r, needle)
         assert not run.exists()
+
+
+def test_a_run_directory_linked_to_nothing_is_named_as_a_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--resume`, translate, average and plot on a run directory that is a symbolic link to a
+    directory now gone (an unmounted disk) said "run directory not found" of a link that is there."""
+    run = tmp_path / "run"
+    run.symlink_to(tmp_path / "gone")
+    expected = f"{run}: a symbolic link to {tmp_path / 'gone'}, which does not exist"
+    for argv in (
+        ["train", "--run-dir", str(run), "--resume"],
+        ["translate", "--run", str(run), "hi"],
+        ["average", "--run", str(run)],
+        ["plot", "--run", str(run)],
+    ):
+        assert_one_line_error(mtx_here(monkeypatch, *argv), expected)
+    assert run.is_symlink() and not (tmp_path / "gone").exists()
 
 
 @pytest.mark.parametrize(("speedup", "warning"), [(0.0, "emulated"), (0.6, "at 0.60x the speed of fp32"), (2.5, None)])

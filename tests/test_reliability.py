@@ -412,11 +412,12 @@ def test_a_stop_between_log_lines_resumes_the_log_window_and_validates_its_last_
             os.kill(os.getpid(), signal.SIGTERM)  # the loop stops after this step, at step 7
         return real(self, group)
 
-    for name in ("split", "lowered", "budget"):
-        with monkeypatch.context() as m:
-            m.setattr(train_module.Trainer, "train_step", stop_in_step_7)
-            assert main(mini_args(mini_data, tmp_path / name, *every, "--set", "train.max_steps=10")) == 128 + 15
-        assert load_weights_only(tmp_path / name / "checkpoints" / "last.pt")["state"]["window_steps"] == 2
+    with monkeypatch.context() as m:
+        m.setattr(train_module.Trainer, "train_step", stop_in_step_7)
+        assert main(mini_args(mini_data, tmp_path / "split", *every, "--set", "train.max_steps=10")) == 128 + 15
+    assert load_weights_only(tmp_path / "split" / "checkpoints" / "last.pt")["state"]["window_steps"] == 2
+    for name in ("lowered", "budget"):  # the same stopped run, resumed three ways
+        shutil.copytree(tmp_path / "split", tmp_path / name)
     assert main(["train", "--run-dir", str(tmp_path / "split"), "--resume"]) == 0
     timed = ("tgt_tok_per_s", "elapsed_s")
 

@@ -511,7 +511,7 @@ def test_patience_stops_when_val_bleu_stops_improving(tmp_path: Path, small_data
 
 
 def test_init_from_starts_a_new_run_from_another_runs_weights_and_tokenizer(
-    tmp_path: Path, small_data: Path, tiny_run: Path
+    tmp_path: Path, small_data: Path, tiny_run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """train.init_from: the other run's best.pt weights and a copy of its tokenizer, step 0, a fresh
     optimizer; through `mtx train` it trains on from the other run's loss, not from scratch."""
@@ -532,13 +532,13 @@ def test_init_from_starts_a_new_run_from_another_runs_weights_and_tokenizer(
     assert trainer.state.step == 0 and not trainer.optimizer.state  # the optimizer starts afresh
 
     ft = tmp_path / "ft_cli"
-    args = tiny_args(small_data, ft, "--set", f"train.init_from={tiny_run}", "--set", "train.max_steps=20")
+    monkeypatch.chdir(tiny_run.parent)  # given relative, recorded as the checkpoint used (it was as typed)
+    args = tiny_args(small_data, ft, "--set", f"train.init_from={tiny_run.name}", "--set", "train.max_steps=20")
     assert main([*args, "--set", "train.eval_every=20"]) == 0
     best_step = torch.load(tiny_run / "checkpoints" / "best.pt", weights_only=True)["step"]
-    assert (
-        f"initialised from {tiny_run / 'checkpoints' / 'best.pt'} (its step {best_step})"
-        in (ft / "train.log").read_text()
-    )
+    used = tiny_run.resolve() / "checkpoints" / "best.pt"
+    assert f"initialised from {used} (its step {best_step})" in (ft / "train.log").read_text()
+    assert load_config(ft / "config.yaml").train.init_from == str(used)
     first = [e["loss"] for e in read_metrics(ft) if e["event"] == "train"][0]
     scratch = [e["loss"] for e in read_metrics(tiny_run) if e["event"] == "train"]
     assert first < scratch[0] - 1.5 and first < scratch[-1] + 0.5, (first, scratch)
@@ -564,6 +564,32 @@ def test_init_from_mistakes_are_one_line_and_write_nothing(
     result = mtx_here(monkeypatch, *tiny_args(small_data, tmp_path / "ft", *extra))
     assert_one_line_error(result, "train.init_from: ", message.format(tmp=tmp_path, run=tiny_run))
     assert not (tmp_path / "ft").exists()
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_start_whose_config_cannot_be_written_leaves_nothing(
+    tmp_path: Path, small_data: Path, tiny_run: Path, monkeypatch: pytest.MonkeyPatch, existed: bool
+) -> None:
+    """A new run whose config.yaml could not be written (a full disk) kept the tokenizer it had
+    copied for train.init_from, and the next start refused the directory as "not an mtx run"."""
+    from mtx import checkpoint as ckpt_io
+
+    from .test_cli import assert_one_line_error, mtx_here
+
+    write = ckpt_io.atomic_write_text
+
+    def full_disk(path: Path, text: str) -> None:
+        if path.name == "config.yaml":
+            raise OSError(28, "No space left on device", str(path))
+        write(path, text)
+
+    monkeypatch.setattr(ckpt_io, "atomic_write_text", full_disk)
+    run = tmp_path / "out" / "ft"
+    if existed:
+        run.mkdir(parents=True)
+    result = mtx_here(monkeypatch, *tiny_args(small_data, run, "--set", f"train.init_from={tiny_run}"))
+    assert_one_line_error(result, f"{run / 'config.yaml'}: No space left on device")
+    assert (list(run.iterdir()) == []) if existed else not (tmp_path / "out").exists()
 
 
 def test_init_from_a_path_relative_to_the_working_directory(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
