@@ -10,7 +10,7 @@ ARGS ?=
 TRAIN_ARGS ?=
 DECODE_ARGS ?=
 
-.PHONY: install train test lint format bench bench-train bench-decode bench-ct2 clean
+.PHONY: install train test lint format bench bench-train bench-decode bench-ct2 bench-onmt clean
 
 # torch is pinned first: the pin takes the CPU wheel on this machine (a regular build elsewhere);
 # pyproject.toml keeps the honest range torch>=2.4, which the pinned install already satisfies.
@@ -50,6 +50,11 @@ bench-decode: $(STAMP)
 # mtx beside CTranslate2 on a trained run: make bench-ct2 ARGS="--run runs/multi30k_de_en"
 bench-ct2: $(STAMP)
 	$(BIN)/python scripts/bench_ctranslate2.py $(ARGS)
+
+# mtx beside OpenNMT-py 3.5, which runs under its own Python (scripts/bench_onmt.py's docstring sets it up):
+# make bench-onmt ARGS="--run runs/multi30k_de_en --onmt-python onmt-venv/bin/python"
+bench-onmt: $(STAMP)
+	$(BIN)/python scripts/bench_onmt.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

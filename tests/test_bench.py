@@ -7,9 +7,11 @@ bf16."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -249,3 +251,128 @@ def test_scripts_let_bugs_raise() -> None:
     """Anything else is a bug in mtx, whose traceback must reach the user."""
     with pytest.raises(ZeroDivisionError):
         run_script("bench", _raise(ZeroDivisionError("division by zero")))
+
+
+ONMT_SCRIPT = SCRIPT.with_name("bench_onmt.py")
+# OpenNMT-py 3.5.1's state dict of a 2+2-layer Transformer, recorded from `build_base_model` with
+# bench_onmt's options (d_model 16, 4 heads, FFN 32, 10 pieces, shared and tied embeddings):
+# layer 0 of each stack stands for every layer; D, F and V for d_model, FFN and vocabulary sizes
+ONMT_ATTENTION = [
+    f"{p}.linear_{n}.{w}" for p in ["{attn}"] for n in ("keys", "values", "query") for w in ("weight", "bias")
+]
+ONMT_TOP = {
+    "encoder.embeddings.make_embedding.emb_luts.0.weight": ("V", "D"),
+    "encoder.embeddings.make_embedding.pe.pe": (5000, 1, "D"),
+    "encoder.layer_norm.weight": ("D",),
+    "encoder.layer_norm.bias": ("D",),
+    "decoder.embeddings.make_embedding.emb_luts.0.weight": ("V", "D"),
+    "decoder.embeddings.make_embedding.pe.pe": (5000, 1, "D"),
+    "decoder.layer_norm.weight": ("D",),
+    "decoder.layer_norm.bias": ("D",),
+}
+ONMT_ENCODER_LAYER = {
+    **{name.format(attn="self_attn"): ("D", "D") if name.endswith("weight") else ("D",) for name in ONMT_ATTENTION},
+    "self_attn.final_linear.weight": ("D", "D"),
+    "self_attn.final_linear.bias": ("D",),
+    "feed_forward.w_1.weight": ("F", "D"),
+    "feed_forward.w_1.bias": ("F",),
+    "feed_forward.w_2.weight": ("D", "F"),
+    "feed_forward.w_2.bias": ("D",),
+    "feed_forward.layer_norm.weight": ("D",),
+    "feed_forward.layer_norm.bias": ("D",),
+    "layer_norm.weight": ("D",),
+    "layer_norm.bias": ("D",),
+}
+ONMT_DECODER_LAYER = {
+    **{k: v for k, v in ONMT_ENCODER_LAYER.items() if not k.startswith("layer_norm.")},
+    "layer_norm_1.weight": ("D",),
+    "layer_norm_1.bias": ("D",),
+    **{name.format(attn="context_attn"): ("D", "D") if name.endswith("weight") else ("D",) for name in ONMT_ATTENTION},
+    "context_attn.final_linear.weight": ("D", "D"),
+    "context_attn.final_linear.bias": ("D",),
+    "layer_norm_2.weight": ("D",),
+    "layer_norm_2.bias": ("D",),
+}
+
+
+def _onmt_module(monkeypatch: pytest.MonkeyPatch) -> dict:
+    import runpy
+
+    monkeypatch.syspath_prepend(str(ONMT_SCRIPT.parent))
+    return runpy.run_path(str(ONMT_SCRIPT), run_name="bench_onmt")
+
+
+def _tiny_seq2seq(**changes: Any) -> Any:
+    from mtx.config import ModelConfig
+    from mtx.model import Seq2Seq
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=16, n_heads=4, d_ff=32, n_encoder_layers=2, n_decoder_layers=2, dropout=0.0, **changes)
+    return Seq2Seq(cfg, 10, 10, joint_vocab=True).eval()
+
+
+def test_bench_onmt_writes_opennmt_pys_names_shapes_and_mtxs_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/bench_onmt.py's conversion: OpenNMT-py 3.5.1's layout (recorded above), each
+    projection the right slice of mtx's fused ones, and mtx's position table."""
+    module = _onmt_module(monkeypatch)
+    model = _tiny_seq2seq()
+    state, generator = module["onmt_state"](model)
+    sizes = {"D": 16, "F": 32, "V": 10}
+    want = dict(ONMT_TOP)
+    for i in range(2):
+        want |= {f"encoder.transformer.{i}.{k}": v for k, v in ONMT_ENCODER_LAYER.items()}
+        want |= {f"decoder.transformer_layers.{i}.{k}": v for k, v in ONMT_DECODER_LAYER.items()}
+    assert {k: tuple(t.shape) for k, t in state.items()} == {
+        k: tuple(sizes.get(d, d) for d in v) for k, v in want.items()
+    }
+    assert {k: tuple(t.shape) for k, t in generator.items()} == {"weight": (10, 16), "bias": (10,)}
+    layer = model.decoder_layers[1]
+    q, k, v = layer.self_attn.qkv_proj.weight.detach().split(16)
+    prefix = "decoder.transformer_layers.1"
+    assert torch.equal(state[f"{prefix}.self_attn.linear_query.weight"], q)
+    assert torch.equal(state[f"{prefix}.self_attn.linear_keys.weight"], k)
+    assert torch.equal(state[f"{prefix}.self_attn.linear_values.weight"], v)
+    keys, values = layer.cross_attn.kv_proj.bias.detach().split(16)
+    assert torch.equal(state[f"{prefix}.context_attn.linear_keys.bias"], keys)
+    assert torch.equal(state[f"{prefix}.context_attn.linear_values.bias"], values)
+    assert torch.equal(state[f"{prefix}.layer_norm_2.weight"], layer.sub_cross.norm.weight.detach())
+    positions = state["decoder.embeddings.make_embedding.pe.pe"][: model.cfg.max_positions, 0]
+    assert torch.equal(positions, model.tgt_embed.positions)
+    assert torch.equal(generator["weight"], model.output_table.detach()) and not generator["bias"].any()
+    options = module["onmt_options"](model)
+    assert options["share_embeddings"] and options["share_decoder_embeddings"] and options["norm_eps"] == 1e-5
+
+
+def test_bench_onmt_refuses_what_opennmt_py_cannot_run_in_one_line(
+    tmp_path: Path, tiny_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing `--onmt-python`, a Python without OpenNMT-py, and a post-norm model: one line each."""
+    from mtx.errors import MtxError
+
+    with pytest.raises(MtxError, match="pre-norm"):
+        _onmt_module(monkeypatch)["onmt_options"](_tiny_seq2seq(pre_norm=False))
+    import sys
+
+    for python, message in (
+        (tmp_path / "nowhere" / "python", f"--onmt-python {tmp_path}/nowhere/python: no such file"),
+        (Path(sys.executable), f"--onmt-python: {sys.executable} cannot import OpenNMT-py"),
+    ):
+        args = ["--run", str(tiny_run), "--onmt-python", str(python), "--sentences", "4", "--threads", "1"]
+        code, _, err = script_in_process(ONMT_SCRIPT, args, monkeypatch, capsys)
+        lines = err.strip().splitlines()
+        assert code == 1 and len(lines) == 1 and lines[0].startswith(f"bench_onmt: error: {message}"), err
+
+
+@pytest.mark.skipif(not os.environ.get("MTX_ONMT_PYTHON"), reason="set MTX_ONMT_PYTHON to a python with OpenNMT-py 3.5")
+def test_bench_onmt_decodes_greedy_as_mtx_does(
+    tiny_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With OpenNMT-py installed: the converted model's greedy outputs are mtx's."""
+    args = ["--run", str(tiny_run), "--onmt-python", os.environ["MTX_ONMT_PYTHON"], "--sentences", "16"]
+    code, out, err = script_in_process(
+        ONMT_SCRIPT, [*args, "--rounds", "1", "--beam", "2", "--threads", "1"], monkeypatch, capsys
+    )
+    assert code == 0, err
+    result = json.loads(out.splitlines()[-1])
+    assert result["greedy_agreement_ended"] is None or result["greedy_agreement_ended"] >= 0.9, result
+    assert result["onmt_greedy_tok_per_s"] > 0 and result["onmt_beam_tok_per_s"] > 0, result
