@@ -10,7 +10,8 @@ beside WEIGHTS and loads it as `onmt_translate -model` does (`build_translator`)
 JSON lines on standard input with JSON lines on standard output (its own prints go to standard
 error): first {"ready": VERSION} or {"error": MESSAGE}; {"batches": [{"src": [[ids]], "limit": N}]}
 sets the batches (source ids with mtx's EOS; `limit`, the most output tokens of that batch);
-{"beam": K, "alpha": A} decodes every batch once, timed, and answers {"seconds": S, "outputs":
+{"beam": K, "alpha": A, "sampling": false} decodes every batch once, timed (`sampling` true,
+with beam 1: OpenNMT-py's GreedySearch), and answers {"seconds": S, "outputs":
 [[ids]]} (each best hypothesis without its EOS, in batch order); {} ends it.
 """
 
@@ -71,13 +72,17 @@ def translator(model: Path) -> Any:
     return build_translator(options, report_score=False, out_file=open(os.devnull, "w"))
 
 
-def decode(tr: Any, batches: list[dict[str, Any]], beam: int, alpha: float) -> tuple[float, list[list[int]]]:
-    """Every batch through `translate_batch` with beam `beam` (1: OpenNMT-py's default path for
-    `-beam_size 1`, a beam search of one), timed."""
+def decode(
+    tr: Any, batches: list[dict[str, Any]], beam: int, alpha: float, sampling: bool = False
+) -> tuple[float, list[list[int]]]:
+    """Every batch through `translate_batch` with beam `beam`, timed. Beam 1 is OpenNMT-py's
+    default path for `-beam_size 1`, a beam search of one; with `sampling`, its GreedySearch
+    (`-random_sampling_topk 1`: the argmax at each step)."""
     import torch
     from onmt.translate import GNMTGlobalScorer
 
     tr.beam_size = beam
+    tr.sample_from_topk = 1 if sampling else 0
     tr.global_scorer = GNMTGlobalScorer(alpha if beam > 1 else 0.0, 0.0, "wu" if beam > 1 else "none", "none")
     eos = tr._tgt_eos_idx
     tensors = []
@@ -122,7 +127,9 @@ def main() -> None:
                 batches = request["batches"]
                 answer({"batches": len(batches)})
             else:
-                seconds, outputs = decode(tr, batches, request["beam"], request["alpha"])
+                seconds, outputs = decode(
+                    tr, batches, request["beam"], request["alpha"], request.get("sampling", False)
+                )
                 answer({"seconds": seconds, "outputs": outputs})
 
 
