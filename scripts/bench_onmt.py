@@ -164,7 +164,7 @@ class OnmtWorker:
     """scripts/onmt_worker.py under `python`, answering one JSON line per request."""
 
     def __init__(self, python: Path, weights: Path, threads: int, log: IO[str]) -> None:
-        self.log = log
+        self.log, self.python = log, python
         self.proc = subprocess.Popen(
             [str(python), str(WORKER), str(weights), str(threads)],
             stdin=subprocess.PIPE,
@@ -190,7 +190,12 @@ class OnmtWorker:
             self.log.seek(0)
             last = (self.log.read().strip().splitlines() or ["(nothing on its standard error)"])[-1]
             raise MtxError(f"the OpenNMT-py worker ended with exit code {self.proc.returncode}: {last}")
-        return json.loads(line)
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            raise MtxError(
+                f"--onmt-python {self.python} is not a Python running the worker: it printed {line.strip()[:80]!r}"
+            ) from None
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -202,6 +207,8 @@ class OnmtWorker:
 
 def check_python(path: Path) -> Path:
     """`--onmt-python`: an executable file."""
+    if path.is_dir():
+        raise MtxError(f"--onmt-python {path}: is a directory (give its bin/python)")
     if not path.is_file():
         raise MtxError(f"--onmt-python {path}: no such file (give the python of a virtual environment with OpenNMT-py)")
     if not os.access(path, os.X_OK):

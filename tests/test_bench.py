@@ -254,6 +254,7 @@ def test_scripts_let_bugs_raise() -> None:
 
 
 ONMT_SCRIPT = SCRIPT.with_name("bench_onmt.py")
+ECHO = Path(shutil.which("echo") or "/bin/echo")
 # OpenNMT-py 3.5.1's state dict of a 2+2-layer Transformer, recorded from `build_base_model` with
 # bench_onmt's options (d_model 16, 4 heads, FFN 32, 10 pieces, shared and tied embeddings):
 # layer 0 of each stack stands for every layer; D, F and V for d_model, FFN and vocabulary sizes
@@ -356,6 +357,8 @@ def test_bench_onmt_refuses_what_opennmt_py_cannot_run_in_one_line(
     for python, message in (
         (tmp_path / "nowhere" / "python", f"--onmt-python {tmp_path}/nowhere/python: no such file"),
         (Path(sys.executable), f"--onmt-python: {sys.executable} cannot import OpenNMT-py"),
+        (tmp_path, f"--onmt-python {tmp_path}: is a directory"),
+        (ECHO, f"--onmt-python {ECHO} is not a Python running the worker"),  # a program that is not Python
     ):
         args = ["--run", str(tiny_run), "--onmt-python", str(python), "--sentences", "4", "--threads", "1"]
         code, _, err = script_in_process(ONMT_SCRIPT, args, monkeypatch, capsys)
