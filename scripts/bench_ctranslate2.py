@@ -41,10 +41,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_decode import decode_all, split_batches  # noqa: E402
+from bench_decode import (
+    add_side_by_side_options,
+    decode_all,
+    ended_agreement,
+    passes_in_turns,
+    side_by_side_report,
+    split_batches,
+)  # noqa: E402
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
-from mtx.cli import int_in, thread_count, usable_cpus  # noqa: E402
 from mtx.data import pad_ids  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
 from mtx.export import OUTSIDE_BIAS, ctranslate2_vocabulary, export_ctranslate2  # noqa: E402
@@ -100,19 +106,7 @@ def _ct2_worker(conn: Any, model_dir: str, threads: int, batches: list[Any], alp
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", type=Path, required=True, help="trained mtx run directory")
-    parser.add_argument("--split", default="test_2016_flickr", help="the split decoded (default: %(default)s)")
-    parser.add_argument(
-        "--threads",
-        type=thread_count(),
-        default=min(2, usable_cpus()),
-        help="CPU threads of each engine (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--batch-sentences", type=int_in(1), default=64, help="sentences per batch (default: %(default)s)"
-    )
-    parser.add_argument("--beam", type=int_in(1), default=5, help="the beam row's width (default: %(default)s)")
-    parser.add_argument("--sentences", type=int_in(0), default=0, help="first N sentences only (0: all)")
-    parser.add_argument("--rounds", type=int_in(1), default=2, help="timed passes over the split per setting")
+    add_side_by_side_options(parser)
     args = parser.parse_args()
     try:
         import ctranslate2
@@ -171,33 +165,13 @@ def main() -> None:
             }
             if side_by_side > 1:
                 settings[f"ctranslate2 {kind}, {side_by_side} workers"] = (ct2_pass, beam, side_by_side)
-        for fn, beam, workers in settings.values():  # warm up
-            fn(beam, workers)
-        seconds = dict.fromkeys(settings, 0.0)
-        outputs: dict[str, list[list[int]]] = {}
-        for _ in range(args.rounds):
-            for name, (fn, beam, workers) in settings.items():
-                took, outputs[name] = fn(beam, workers)
-                seconds[name] += took
+        seconds, outputs = passes_in_turns(settings, args.rounds)
         parent.send(None)
         worker.join()
 
-    decoded = n * args.rounds  # sentences decoded per setting
-    tokens = {name: args.rounds * sum(len(h) + 1 for h in outs) for name, outs in outputs.items()}  # + EOS
-    m = cfg.model
-    print(f"{args.run}: {m.d_model}d {m.n_encoder_layers}+{m.n_decoder_layers} layers, ", end="")
-    print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences, {args.rounds} passes), ", end="")
-    print(f"{args.threads} threads, ", end="")
-    print(f"batches of {args.batch_sentences}; CTranslate2 {ctranslate2.__version__} float32")
-    print(f"{'setting':32s} {'sent/s':>8s} {'out tok/s':>10s} {'mean len':>9s} {'seconds':>8s}")
-    for name in settings:
-        print(f"{name:32s} {decoded / seconds[name]:8.1f} {tokens[name] / seconds[name]:10.0f} ", end="")
-        print(f"{tokens[name] / decoded:9.2f} {seconds[name]:8.2f}")
-    same = {
-        kind: sum(x == y for x, y in zip(outputs[f"mtx {kind}"], outputs[f"ctranslate2 {kind}"], strict=True)) / n
-        for kind in ("greedy", beam_name)
-    }
-    print(f"same output as CTranslate2: greedy {100 * same['greedy']:.1f}%, {beam_name} {100 * same[beam_name]:.1f}%")
+    tokens, same = side_by_side_report(
+        run, args, ("ctranslate2", f"CTranslate2 {ctranslate2.__version__}"), settings, seconds, outputs
+    )
     summary: dict[str, float | None] = {}
     for kind, key in (("greedy", "greedy"), (beam_name, "beam")):
         layouts = [f"ctranslate2 {kind}", f"ctranslate2 {kind}, {side_by_side} workers"]
@@ -211,13 +185,9 @@ def main() -> None:
             # since the two engines' outputs differ in length (stop 55: quoted beside tok/s)
             f"{key}_sent_per_s_ratio_mtx_over_ct2": round(seconds[ct2] / seconds[f"mtx {kind}"], 3),
         }
-    # CTranslate2 caps a batch at its longest sentence's cap, mtx each sentence at its own: only the
-    # greedy outputs that mtx ended before its cap must agree (all of them, but for near ties)
-    ended = [i for i, (hyp, cap) in enumerate(zip(outputs["mtx greedy"], caps, strict=True)) if len(hyp) < cap]
-    alike = sum(outputs["mtx greedy"][i] == outputs["ctranslate2 greedy"][i] for i in ended)
-    agree = alike / len(ended) if ended else None
+    ended, agree = ended_agreement(outputs["mtx greedy"], outputs["ctranslate2 greedy"], caps)
     shown = f"{agree:.1%}" if agree is not None else "nothing to compare"  # (an untrained model ends none)
-    print(f"greedy outputs that mtx ended before its length cap: {len(ended)}, the same in CTranslate2: {shown}")
+    print(f"greedy outputs that mtx ended before its length cap: {ended}, the same in CTranslate2: {shown}")
     summary |= {"greedy_agreement": round(same["greedy"], 4), "beam_agreement": round(same[beam_name], 4)}
     summary |= {"greedy_agreement_ended": round(agree, 4) if agree is not None else None}
     print(json.dumps(summary))

@@ -34,6 +34,7 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -112,6 +113,92 @@ def decode_all(
     (0: its default; `in_workers`); the output ids of every sentence, in batch order."""
     decode = functools.partial(decode_tokens, model, beam=beam, a=a, b=b, alpha=alpha, cache=cache, stop=stop)
     return [hyp for hyps in in_workers(decode, batches, workers, torch.device("cpu"), model) for hyp in hyps]
+
+
+def add_side_by_side_options(parser: argparse.ArgumentParser) -> None:
+    """The options the side-by-side benchmarks (bench_ctranslate2.py, bench_onmt.py) share."""
+    parser.add_argument("--split", default="test_2016_flickr", help="the split decoded (default: %(default)s)")
+    parser.add_argument(
+        "--threads",
+        type=thread_count(),
+        default=min(2, usable_cpus()),
+        help="CPU threads of each engine (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-sentences", type=int_in(1), default=64, help="sentences per batch (default: %(default)s)"
+    )
+    parser.add_argument("--beam", type=int_in(1), default=5, help="the beam row's width (default: %(default)s)")
+    parser.add_argument("--sentences", type=int_in(0), default=0, help="first N sentences only (0: all)")
+    parser.add_argument("--rounds", type=int_in(1), default=2, help="timed passes over the split per setting")
+
+
+# one timed pass over every batch: (beam, layout) -> (seconds, output ids in batch order)
+Pass = Callable[[int, int], tuple[float, list[list[int]]]]
+
+
+def passes_in_turns(
+    settings: dict[str, tuple[Pass, int, int]], rounds: int
+) -> tuple[dict[str, float], dict[str, list[list[int]]]]:
+    """For the side-by-side benchmarks: each setting's pass once to warm up, then `rounds` turns
+    of one whole pass per setting (an engine's idle threads keep spinning for a while after it
+    returns, so per-batch turns would time the interference); the seconds summed per setting,
+    and its outputs."""
+    for fn, beam, layout in settings.values():
+        fn(beam, layout)
+    seconds = dict.fromkeys(settings, 0.0)
+    outputs: dict[str, list[list[int]]] = {}
+    for _ in range(rounds):
+        for name, (fn, beam, layout) in settings.items():
+            took, outputs[name] = fn(beam, layout)
+            seconds[name] += took
+    return seconds, outputs
+
+
+def print_rows(
+    settings: Iterable[str], seconds: dict[str, float], outputs: dict[str, list[list[int]]], rounds: int
+) -> dict[str, int]:
+    """The table of sentences/s, output tokens/s (pieces + EOS), mean length and seconds of
+    `rounds` passes per setting; the output tokens per setting."""
+    decoded = rounds * len(next(iter(outputs.values())))  # sentences decoded per setting
+    tokens = {name: rounds * sum(len(h) + 1 for h in outs) for name, outs in outputs.items()}
+    print(f"{'setting':32s} {'sent/s':>8s} {'out tok/s':>10s} {'mean len':>9s} {'seconds':>8s}")
+    for name in settings:
+        print(f"{name:32s} {decoded / seconds[name]:8.1f} {tokens[name] / seconds[name]:10.0f} ", end="")
+        print(f"{tokens[name] / decoded:9.2f} {seconds[name]:8.2f}")
+    return tokens
+
+
+def side_by_side_report(
+    run: LoadedRun,
+    args: argparse.Namespace,
+    engine: tuple[str, str],
+    settings: Iterable[str],
+    seconds: dict[str, float],
+    outputs: dict[str, list[list[int]]],
+) -> tuple[dict[str, int], dict[str, float]]:
+    """A side-by-side benchmark's header, table and share of outputs alike: `engine` is the other
+    engine's setting prefix and its name with version (("ctranslate2", "CTranslate2 4.6.0")). The
+    output tokens per setting, and the share of same outputs per search ("greedy", "beam K")."""
+    m, n = run.cfg.model, len(outputs["mtx greedy"])
+    print(f"{args.run}: {m.d_model}d {m.n_encoder_layers}+{m.n_decoder_layers} layers, ", end="")
+    print(f"{run.tgt_tok.vocab_size} BPE; {args.split} ({n} sentences, {args.rounds} passes), ", end="")
+    print(f"{args.threads} threads, batches of {args.batch_sentences}; {engine[1]} float32")
+    tokens = print_rows(settings, seconds, outputs, args.rounds)
+    kinds = ("greedy", f"beam {args.beam}")
+    pairs = {kind: zip(outputs[f"mtx {kind}"], outputs[f"{engine[0]} {kind}"], strict=True) for kind in kinds}
+    same = {kind: sum(x == y for x, y in pairs[kind]) / n for kind in kinds}
+    name = engine[1].split()[0]
+    print(f"same output as {name}: greedy {100 * same[kinds[0]]:.1f}%, {kinds[1]} {100 * same[kinds[1]]:.1f}%")
+    return tokens, same
+
+
+def ended_agreement(ours: list[list[int]], theirs: list[list[int]], caps: list[int]) -> tuple[int, float | None]:
+    """How many of `ours` ended before their length cap, and the share of those `theirs` gives
+    alike (None: none ended). Another engine caps a batch where mtx caps each sentence: only the
+    greedy outputs that mtx ended must agree (all of them, but for near ties)."""
+    ended = [i for i, (hyp, cap) in enumerate(zip(ours, caps, strict=True)) if len(hyp) < cap]
+    alike = sum(ours[i] == theirs[i] for i in ended)
+    return len(ended), (alike / len(ended) if ended else None)
 
 
 class WholeVocabulary(Seq2Seq):
