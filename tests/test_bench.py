@@ -303,13 +303,13 @@ def _onmt_module(monkeypatch: pytest.MonkeyPatch) -> dict:
     return runpy.run_path(str(ONMT_SCRIPT), run_name="bench_onmt")
 
 
-def _tiny_seq2seq(**changes: Any) -> Any:
+def _tiny_seq2seq(joint_vocab: bool = True, output_ids: torch.Tensor | None = None, **changes: Any) -> Any:
     from mtx.config import ModelConfig
     from mtx.model import Seq2Seq
 
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=16, n_heads=4, d_ff=32, n_encoder_layers=2, n_decoder_layers=2, dropout=0.0, **changes)
-    return Seq2Seq(cfg, 10, 10, joint_vocab=True).eval()
+    return Seq2Seq(cfg, 10, 10, joint_vocab=joint_vocab, output_ids=output_ids).eval()
 
 
 def test_bench_onmt_writes_opennmt_pys_names_shapes_and_mtxs_weights(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -344,14 +344,37 @@ def test_bench_onmt_writes_opennmt_pys_names_shapes_and_mtxs_weights(monkeypatch
     assert options["share_embeddings"] and options["share_decoder_embeddings"] and options["norm_eps"] == 1e-5
 
 
+def test_bench_onmt_shares_what_mtx_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Untied and separate-vocabulary models keep their own tables; a restricted softmax's
+    left-out pieces get the bias that rules them out, as `mtx export` gives CTranslate2."""
+    module = _onmt_module(monkeypatch)
+    untied = _tiny_seq2seq(tie_embeddings=False)
+    state, generator = module["onmt_state"](untied)
+    options = module["onmt_options"](untied)
+    assert not options["share_embeddings"] and not options["share_decoder_embeddings"]
+    assert torch.equal(generator["weight"], untied.output_proj.weight.detach())
+    assert not torch.equal(state["decoder.embeddings.make_embedding.emb_luts.0.weight"], generator["weight"])
+    options = module["onmt_options"](_tiny_seq2seq(joint_vocab=False))
+    assert not options["share_embeddings"] and options["share_decoder_embeddings"]
+    _, generator = module["onmt_state"](_tiny_seq2seq(output_ids=torch.tensor([4, 5, 6])))  # EOS and UNK join them
+    assert generator["bias"].tolist() == [-65000.0] * 2 + [0.0] * 5 + [-65000.0] * 3
+
+
+@pytest.mark.parametrize("changes", [{"pre_norm": False}, {"norm": "scale"}, {"fix_norm": True}])
+def test_bench_onmt_refuses_models_opennmt_py_cannot_express(
+    changes: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenNMT-py 3.5's Transformer is pre-norm with LayerNorm only: post-norm, ScaleNorm and FixNorm are refused."""
+    from mtx.errors import MtxError
+
+    with pytest.raises(MtxError, match="OpenNMT-py's Transformer is pre-norm with LayerNorm"):
+        _onmt_module(monkeypatch)["onmt_options"](_tiny_seq2seq(**changes))
+
+
 def test_bench_onmt_refuses_what_opennmt_py_cannot_run_in_one_line(
     tmp_path: Path, tiny_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A missing `--onmt-python`, a Python without OpenNMT-py, and a post-norm model: one line each."""
-    from mtx.errors import MtxError
-
-    with pytest.raises(MtxError, match="pre-norm"):
-        _onmt_module(monkeypatch)["onmt_options"](_tiny_seq2seq(pre_norm=False))
+    """`--onmt-python` missing, a directory, a Python without OpenNMT-py or not a Python: one line each."""
     import sys
 
     for python, message in (
