@@ -114,6 +114,10 @@ def main() -> None:
     except ImportError as e:
         answer({"error": f"{sys.executable} cannot import OpenNMT-py ({e}); install OpenNMT-py==3.5.1 there"})
         return
+    version = str(getattr(onmt, "__version__", "of no version"))
+    if not version.startswith("3.5."):  # the names, options and checkpoint format written are 3.5's
+        answer({"error": f"{sys.executable} has OpenNMT-py {version}; this benchmark needs 3.5 (OpenNMT-py==3.5.1)"})
+        return
     torch.set_num_threads(threads)
     tr = translator(checkpoint(weights))
     answer({"ready": onmt.__version__, "torch": torch.__version__})

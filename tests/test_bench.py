@@ -377,12 +377,18 @@ def test_bench_onmt_refuses_what_opennmt_py_cannot_run_in_one_line(
     """`--onmt-python` missing, a directory, a Python without OpenNMT-py or not a Python: one line each."""
     import sys
 
+    fake = tmp_path / "fake" / "onmt"  # another OpenNMT-py release, found by the last case only
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('__version__ = "3.4.0"\n')
     for python, message in (
         (tmp_path / "nowhere" / "python", f"--onmt-python {tmp_path}/nowhere/python: no such file"),
         (Path(sys.executable), f"--onmt-python: {sys.executable} cannot import OpenNMT-py"),
         (tmp_path, f"--onmt-python {tmp_path}: is a directory"),
         (ECHO, f"--onmt-python {ECHO} is not a Python running the worker"),  # a program that is not Python
+        (Path(sys.executable), f"--onmt-python: {sys.executable} has OpenNMT-py 3.4.0; this benchmark needs 3.5"),
     ):
+        if "3.4.0" in message:
+            monkeypatch.setenv("PYTHONPATH", str(fake.parent))
         args = ["--run", str(tiny_run), "--onmt-python", str(python), "--sentences", "4", "--threads", "1"]
         code, _, err = script_in_process(ONMT_SCRIPT, args, monkeypatch, capsys)
         lines = err.strip().splitlines()
