@@ -5,6 +5,7 @@ its own (`rank_device`'s error)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -107,6 +108,15 @@ def counting_allreduce(calls, bucket):  # unannotated: DDP rejects the string an
     return allreduce_hook(None, bucket)
 
 
+def destroy_after_freeing() -> None:
+    """`dist.destroy_process_group()` once the worker's Trainer is gone (the worker deletes it):
+    DDP's reducer holds the group, and a group whose threads end at interpreter exit instead of
+    here can abort the rank ("terminate called without an active exception", SIGABRT), as
+    `mtx.train.train` frees its Trainer for the same reason (a stop 60 CI run failed this way)."""
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def equivalence_worker(rank: int, world_size: int, data_dir: Path, run_dir: Path, store: Path, out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
@@ -115,8 +125,9 @@ def equivalence_worker(rank: int, world_size: int, data_dir: Path, run_dir: Path
         bucket_calls: list[int] = []
         trainer.loss_module.register_comm_hook(bucket_calls, counting_allreduce)
         torch.save(run_steps(trainer, rank, world_size, bucket_calls), out / f"rank{rank}.pt")
+        del trainer
     finally:
-        dist.destroy_process_group()
+        destroy_after_freeing()
 
 
 def test_two_ranks_take_the_single_process_step(tmp_path: Path, mini_data: Path) -> None:
@@ -187,9 +198,10 @@ def sharing_worker(rank: int, world_size: int, data_dir: Path, init_from: Path, 
         synthetic = trainer._translate_train()
         record = {"result": result, "scored": scored, "synthetic": [synthetic.src_ids, synthetic.tgt_ids]}
         torch.save(record, out / f"share{world_size}_{rank}.pt")
+        del trainer
     finally:
         if world_size > 1:
-            dist.destroy_process_group()
+            destroy_after_freeing()
 
 
 def test_ranks_share_validation_and_diversify_with_the_single_process_result(
@@ -229,8 +241,9 @@ def amp_worker(rank: int, data_dir: Path, run_dir: Path, store: Path, out: Path)
         )
         trainer = Trainer(cfg, run_dir, resume=False, ranks=Ranks(rank, rank, 2))
         (out / f"amp{rank}.txt").write_text(str(trainer.amp))
+        del trainer
     finally:
-        dist.destroy_process_group()
+        destroy_after_freeing()
 
 
 def test_ranks_train_in_rank_0s_choice_of_precision(tmp_path: Path, mini_data: Path) -> None:
@@ -252,7 +265,7 @@ def config_worker(rank: int, data_dir: Path, run_dir: Path, store: Path, out: Pa
     except ConfigError as e:
         (out / f"error{rank}.txt").write_text(str(e))
     finally:
-        dist.destroy_process_group()
+        destroy_after_freeing()
 
 
 def test_ranks_with_different_configs_stop_at_once(tmp_path: Path, mini_data: Path) -> None:
