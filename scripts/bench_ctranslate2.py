@@ -41,21 +41,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_decode import (
-    add_side_by_side_options,
-    decode_all,
-    ended_agreement,
-    passes_in_turns,
-    side_by_side_report,
-    split_batches,
-)  # noqa: E402
+from bench_decode import MtxSide, add_side_by_side_options, passes_in_turns, side_by_side_report  # noqa: E402
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
-from mtx.data import pad_ids  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
 from mtx.export import OUTSIDE_BIAS, ctranslate2_vocabulary, export_ctranslate2  # noqa: E402
-from mtx.search import decode_workers, max_output_lengths  # noqa: E402
-from mtx.tokenizer import EOS  # noqa: E402
+from mtx.search import decode_workers  # noqa: E402
 
 
 def convert(run: LoadedRun, out_dir: Path) -> None:
@@ -124,21 +115,12 @@ def main() -> None:
             "bench_ctranslate2: the run's model uses model.norm=scale or model.fix_norm, which this side-by-side "
             "benchmark does not cover (mtx export converts them); benchmark a run with LayerNorm and fix_norm false"
         )
-    n, batches = split_batches(run, args.split, args.sentences, args.batch_sentences)
-    a, b, alpha = cfg.decode.max_len_a, cfg.decode.max_len_b, cfg.decode.length_penalty
+    mtx = MtxSide(run, args)
     src_vocab, tgt_vocab = ctranslate2_vocabulary(run.src_tok), ctranslate2_vocabulary(run.tgt_tok)
     tgt_index = {t: i for i, t in enumerate(tgt_vocab)}
-
-    padded = [pad_ids(x, suffix=EOS) for x in batches]
-    caps = [max_output_lengths(x, a, b, run.model) - 1 for x in padded]  # mtx's limit counts EOS
-    limits = [int(c.max()) for c in caps]
-    caps = [c for x in caps for c in x.tolist()]  # per sentence, in batch order
-    ct2_batches = [([[src_vocab[i] for i in s] for s in x], limit) for x, limit in zip(batches, limits, strict=True)]
-
-    def mtx_pass(beam: int, workers: int) -> tuple[float, list[list[int]]]:
-        start = time.perf_counter()
-        out = decode_all(run.model, padded, beam, a, b, alpha, workers=workers)
-        return time.perf_counter() - start, out
+    ct2_batches = [
+        ([[src_vocab[i] for i in s] for s in x], limit) for x, limit in zip(mtx.batches, mtx.limits, strict=True)
+    ]
 
     with tempfile.TemporaryDirectory() as tmp:
         convert(run, Path(tmp) / "ct2")
@@ -146,7 +128,7 @@ def main() -> None:
         # about 2.5x even while it is idle (measured), which would time the clash, not mtx
         parent, child = mp.get_context("spawn").Pipe()
         worker = mp.get_context("spawn").Process(
-            target=_ct2_worker, args=(child, str(Path(tmp) / "ct2"), args.threads, ct2_batches, alpha), daemon=True
+            target=_ct2_worker, args=(child, str(Path(tmp) / "ct2"), args.threads, ct2_batches, mtx.alpha), daemon=True
         )
         worker.start()
 
@@ -158,39 +140,28 @@ def main() -> None:
         beam_name = f"beam {args.beam}"
         settings = {}
         for kind, beam in (("greedy", 1), (beam_name, args.beam)):
-            settings |= {
-                f"mtx {kind}": (mtx_pass, beam, 0),
-                f"mtx {kind}, 1 worker": (mtx_pass, beam, 1),
-                f"ctranslate2 {kind}": (ct2_pass, beam, 1),
-            }
+            settings |= mtx.settings(kind, beam) | {f"ctranslate2 {kind}": (ct2_pass, beam, 1)}
             if side_by_side > 1:
                 settings[f"ctranslate2 {kind}, {side_by_side} workers"] = (ct2_pass, beam, side_by_side)
         seconds, outputs = passes_in_turns(settings, args.rounds)
         parent.send(None)
         worker.join()
 
-    tokens, same = side_by_side_report(
-        run, args, ("ctranslate2", f"CTranslate2 {ctranslate2.__version__}"), settings, seconds, outputs
-    )
+    engine = ("ctranslate2", f"CTranslate2 {ctranslate2.__version__}")
+    tokens, same = side_by_side_report(run, args, engine, settings, seconds, outputs)
     summary: dict[str, float | None] = {}
     for kind, key in (("greedy", "greedy"), (beam_name, "beam")):
         layouts = [f"ctranslate2 {kind}", f"ctranslate2 {kind}, {side_by_side} workers"]
         ct2 = min((name for name in layouts if name in seconds), key=seconds.__getitem__)
-        summary |= {
-            f"mtx_{key}_tok_per_s": round(tokens[f"mtx {kind}"] / seconds[f"mtx {kind}"], 1),
-            f"mtx_{key}_tok_per_s_1_worker": round(tokens[f"mtx {kind}"] / seconds[f"mtx {kind}, 1 worker"], 1),
+        summary |= mtx.rates(kind, key, tokens, seconds) | {
             f"ct2_{key}_tok_per_s": round(tokens[ct2] / seconds[ct2], 1),  # its faster layout
             f"ct2_{key}_workers": 1 if ct2 == f"ctranslate2 {kind}" else side_by_side,
             # the same sentences in each pass: a ratio of sentences/s (of time), not of output tokens/s,
             # since the two engines' outputs differ in length (stop 55: quoted beside tok/s)
             f"{key}_sent_per_s_ratio_mtx_over_ct2": round(seconds[ct2] / seconds[f"mtx {kind}"], 3),
         }
-    ended, agree = ended_agreement(outputs["mtx greedy"], outputs["ctranslate2 greedy"], caps)
-    shown = f"{agree:.1%}" if agree is not None else "nothing to compare"  # (an untrained model ends none)
-    print(f"greedy outputs that mtx ended before its length cap: {ended}, the same in CTranslate2: {shown}")
-    summary |= {"greedy_agreement": round(same["greedy"], 4), "beam_agreement": round(same[beam_name], 4)}
-    summary |= {"greedy_agreement_ended": round(agree, 4) if agree is not None else None}
-    print(json.dumps(summary))
+    keys, agree = mtx.agreement(outputs, engine, same, beam_name)
+    print(json.dumps(summary | keys))
     if agree is not None and agree < 0.9:
         sys.exit("bench_ctranslate2: greedy outputs disagree on over 10% of sentences; the conversion is wrong")
 

@@ -49,7 +49,14 @@ from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
 from mtx.export import outside_bias  # noqa: E402
 from mtx.model import Seq2Seq  # noqa: E402
-from mtx.search import beam_search, decode_workers, greedy_search, in_workers, within_positions  # noqa: E402
+from mtx.search import (  # noqa: E402
+    beam_search,
+    decode_workers,
+    greedy_search,
+    in_workers,
+    max_output_lengths,
+    within_positions,
+)
 from mtx.tokenizer import EOS  # noqa: E402
 
 # name -> (beam, cache, workers); 0 workers: the default (decode.workers auto)
@@ -192,13 +199,56 @@ def side_by_side_report(
     return tokens, same
 
 
-def ended_agreement(ours: list[list[int]], theirs: list[list[int]], caps: list[int]) -> tuple[int, float | None]:
-    """How many of `ours` ended before their length cap, and the share of those `theirs` gives
-    alike (None: none ended). Another engine caps a batch where mtx caps each sentence: only the
-    greedy outputs that mtx ended must agree (all of them, but for near ties)."""
-    ended = [i for i, (hyp, cap) in enumerate(zip(ours, caps, strict=True)) if len(hyp) < cap]
-    alike = sum(ours[i] == theirs[i] for i in ended)
-    return len(ended), (alike / len(ended) if ended else None)
+class MtxSide:
+    """mtx's half of a side-by-side benchmark (bench_ctranslate2.py, bench_onmt.py): the split's
+    source ids in batches (`batches`, `n` sentences), padded with EOS for mtx (`padded`), each
+    sentence's and each batch's most output pieces (`caps` in batch order, `limits`: mtx's cap
+    counts EOS, the other engines' do not), its settings and its timed passes."""
+
+    def __init__(self, run: LoadedRun, args: argparse.Namespace) -> None:
+        cfg = run.cfg
+        self.run = run
+        self.n, self.batches = split_batches(run, args.split, args.sentences, args.batch_sentences)
+        self.a, self.b, self.alpha = cfg.decode.max_len_a, cfg.decode.max_len_b, cfg.decode.length_penalty
+        self.padded = [pad_ids(x, suffix=EOS) for x in self.batches]
+        caps = [max_output_lengths(x, self.a, self.b, run.model) - 1 for x in self.padded]
+        self.limits = [int(c.max()) for c in caps]
+        self.caps = [c for x in caps for c in x.tolist()]
+
+    def decode(self, beam: int, workers: int) -> tuple[float, list[list[int]]]:
+        """One timed pass over every batch on `workers` decoding threads (0: mtx's default)."""
+        start = time.perf_counter()
+        out = decode_all(self.run.model, self.padded, beam, self.a, self.b, self.alpha, workers=workers)
+        return time.perf_counter() - start, out
+
+    def settings(self, kind: str, beam: int) -> dict[str, tuple[Pass, int, int]]:
+        """mtx's rows of one search: its default thread layout and 1 worker on all threads."""
+        return {f"mtx {kind}": (self.decode, beam, 0), f"mtx {kind}, 1 worker": (self.decode, beam, 1)}
+
+    @staticmethod
+    def rates(kind: str, key: str, tokens: dict[str, int], seconds: dict[str, float]) -> dict[str, float]:
+        """The JSON keys of mtx's output tokens/s in one search, in both layouts."""
+        return {
+            f"mtx_{key}_tok_per_s": round(tokens[f"mtx {kind}"] / seconds[f"mtx {kind}"], 1),
+            f"mtx_{key}_tok_per_s_1_worker": round(tokens[f"mtx {kind}"] / seconds[f"mtx {kind}, 1 worker"], 1),
+        }
+
+    def agreement(
+        self, outputs: dict[str, list[list[int]]], engine: tuple[str, str], same: dict[str, float], beam: str
+    ) -> tuple[dict[str, float | None], float | None]:
+        """Prints how many greedy outputs mtx ended before its length cap and the share of those
+        the other engine (`engine` as `side_by_side_report` takes it) gives alike; the agreement
+        keys of the JSON line, and that share (None: none ended). Another engine caps a batch
+        where mtx caps each sentence: only the greedy outputs mtx ended must agree (all of them,
+        but for near ties)."""
+        ours, theirs = outputs["mtx greedy"], outputs[f"{engine[0]} greedy"]
+        ended = [i for i, (hyp, cap) in enumerate(zip(ours, self.caps, strict=True)) if len(hyp) < cap]
+        agree = sum(ours[i] == theirs[i] for i in ended) / len(ended) if ended else None
+        shown = f"{agree:.1%}" if agree is not None else "nothing to compare"  # (an untrained model ends none)
+        name = engine[1].split()[0]
+        print(f"greedy outputs that mtx ended before its length cap: {len(ended)}, the same in {name}: {shown}")
+        keys = {"greedy_agreement": round(same["greedy"], 4), "beam_agreement": round(same[beam], 4)}
+        return keys | {"greedy_agreement_ended": round(agree, 4) if agree is not None else None}, agree
 
 
 class WholeVocabulary(Seq2Seq):

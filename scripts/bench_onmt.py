@@ -45,7 +45,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -53,21 +52,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_decode import (
-    add_side_by_side_options,
-    decode_all,
-    ended_agreement,
-    passes_in_turns,
-    side_by_side_report,
-    split_batches,
-)  # noqa: E402
+from bench_decode import MtxSide, add_side_by_side_options, passes_in_turns, side_by_side_report  # noqa: E402
 
 from mtx.checkpoint import load_run  # noqa: E402
-from mtx.data import pad_ids  # noqa: E402
 from mtx.errors import MtxError, run_script  # noqa: E402
 from mtx.export import ctranslate2_vocabulary, outside_bias  # noqa: E402
 from mtx.model import Seq2Seq, sinusoidal_positions  # noqa: E402
-from mtx.search import max_output_lengths  # noqa: E402
 from mtx.tokenizer import EOS  # noqa: E402
 
 WORKER = Path(__file__).resolve().with_name("onmt_worker.py")
@@ -234,21 +224,13 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     run = load_run(args.run)
-    cfg = run.cfg
     if not isinstance(run.model, Seq2Seq):
         raise MtxError("bench_onmt takes one checkpoint; average several first (mtx average)")
     options = onmt_options(run.model)
-    n, batches = split_batches(run, args.split, args.sentences, args.batch_sentences)
-    a, b, alpha = cfg.decode.max_len_a, cfg.decode.max_len_b, cfg.decode.length_penalty
-    padded = [pad_ids(x, suffix=EOS) for x in batches]
-    caps = [max_output_lengths(x, a, b, run.model) - 1 for x in padded]  # mtx's limit counts EOS
-    onmt_batches = [{"src": [s + [EOS] for s in x], "limit": int(c.max())} for x, c in zip(batches, caps, strict=True)]
-    caps = [c for x in caps for c in x.tolist()]  # per sentence, in batch order
-
-    def mtx_pass(beam: int, workers: int) -> tuple[float, list[list[int]]]:
-        start = time.perf_counter()
-        out = decode_all(run.model, padded, beam, a, b, alpha, workers=workers)
-        return time.perf_counter() - start, out
+    mtx = MtxSide(run, args)
+    onmt_batches = [
+        {"src": [s + [EOS] for s in x], "limit": limit} for x, limit in zip(mtx.batches, mtx.limits, strict=True)
+    ]
 
     with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "worker.log", "w+") as log:
         weights = Path(tmp) / "weights.pt"
@@ -260,33 +242,26 @@ def main() -> None:
             worker.ask({"batches": onmt_batches})
 
             def onmt_pass(beam: int, sampling: int) -> tuple[float, list[list[int]]]:
-                reply = worker.ask({"beam": beam, "alpha": alpha, "sampling": bool(sampling)})
+                reply = worker.ask({"beam": beam, "alpha": mtx.alpha, "sampling": bool(sampling)})
                 return reply["seconds"], reply["outputs"]  # timed inside the worker
 
             beam_name = f"beam {args.beam}"
             settings = {}
             for kind, beam in (("greedy", 1), (beam_name, args.beam)):
-                settings |= {
-                    f"mtx {kind}": (mtx_pass, beam, 0),
-                    f"mtx {kind}, 1 worker": (mtx_pass, beam, 1),
-                    f"opennmt-py {kind}": (onmt_pass, beam, 0),
-                }
+                settings |= mtx.settings(kind, beam) | {f"opennmt-py {kind}": (onmt_pass, beam, 0)}
                 if beam == 1:
                     settings["opennmt-py greedy, GreedySearch"] = (onmt_pass, 1, 1)
             seconds, outputs = passes_in_turns(settings, args.rounds)
         finally:
             worker.close()
 
-    tokens, same = side_by_side_report(
-        run, args, ("opennmt-py", f"OpenNMT-py {worker.version}"), settings, seconds, outputs
-    )
+    engine = ("opennmt-py", f"OpenNMT-py {worker.version}")
+    tokens, same = side_by_side_report(run, args, engine, settings, seconds, outputs)
     summary: dict[str, float | None] = {}
     for kind, key in (("greedy", "greedy"), (beam_name, "beam")):
         layouts = [f"opennmt-py {kind}", f"opennmt-py {kind}, GreedySearch"]
         onmt = min((name for name in layouts if name in seconds), key=seconds.__getitem__)  # its faster path
-        summary |= {
-            f"mtx_{key}_tok_per_s": round(tokens[f"mtx {kind}"] / seconds[f"mtx {kind}"], 1),
-            f"mtx_{key}_tok_per_s_1_worker": round(tokens[f"mtx {kind}"] / seconds[f"mtx {kind}, 1 worker"], 1),
+        summary |= mtx.rates(kind, key, tokens, seconds) | {
             f"onmt_{key}_tok_per_s": round(tokens[onmt] / seconds[onmt], 1),
             f"onmt_{key}_search": "GreedySearch" if onmt.endswith("GreedySearch") else "BeamSearch",
             # the same sentences in each pass: a ratio of sentences/s (of time), not of output
@@ -296,15 +271,11 @@ def main() -> None:
                 seconds[onmt] / seconds[f"mtx {kind}, 1 worker"], 3
             ),
         }
-    ended, agree = ended_agreement(outputs["mtx greedy"], outputs["opennmt-py greedy"], caps)
-    shown = f"{agree:.1%}" if agree is not None else "nothing to compare"  # (an untrained model ends none)
-    print(f"greedy outputs that mtx ended before its length cap: {ended}, the same in OpenNMT-py: {shown}")
+    keys, agree = mtx.agreement(outputs, engine, same, beam_name)
     pairs = zip(outputs["opennmt-py greedy"], outputs["opennmt-py greedy, GreedySearch"], strict=True)
     searches = sum(x == y for x, y in pairs)
-    print(f"OpenNMT-py's two greedy searches give the same output for {searches} of {n}")
-    summary |= {"greedy_agreement": round(same["greedy"], 4), "beam_agreement": round(same[beam_name], 4)}
-    summary |= {"greedy_agreement_ended": round(agree, 4) if agree is not None else None}
-    print(json.dumps(summary))
+    print(f"OpenNMT-py's two greedy searches give the same output for {searches} of {mtx.n}")
+    print(json.dumps(summary | keys))
     if agree is not None and agree < 0.9:
         raise MtxError("greedy outputs disagree on over 10% of sentences; the conversion is wrong")
 
