@@ -119,9 +119,12 @@ def onmt_state(model: Seq2Seq) -> tuple[dict[str, torch.Tensor], dict[str, torch
         state[f"{side}.embeddings.make_embedding.emb_luts.0.weight"] = emb.tokens.weight.detach().float().clone()
         state[f"{side}.embeddings.make_embedding.pe.pe"] = positions.clone()
 
-    def self_attention(prefix: str, proj: torch.nn.Linear, out: torch.nn.Linear) -> None:
-        for part, w, b in zip(("query", "keys", "values"), proj.weight.split(d), proj.bias.split(d), strict=True):
+    def split(prefix: str, parts: tuple[str, ...], proj: torch.nn.Linear) -> None:  # mtx's fused projections
+        for part, w, b in zip(parts, proj.weight.split(d), proj.bias.split(d), strict=True):
             _linear(state, f"{prefix}.linear_{part}", w, b)
+
+    def self_attention(prefix: str, proj: torch.nn.Linear, out: torch.nn.Linear) -> None:
+        split(prefix, ("query", "keys", "values"), proj)
         _linear(state, f"{prefix}.final_linear", out.weight, out.bias)
 
     def feed_forward(prefix: str, layer: torch.nn.Module) -> None:
@@ -141,10 +144,7 @@ def onmt_state(model: Seq2Seq) -> tuple[dict[str, torch.Tensor], dict[str, torch
         _norm(state, f"{prefix}.layer_norm_1", layer.sub_self.norm)
         cross = layer.cross_attn
         _linear(state, f"{prefix}.context_attn.linear_query", cross.q_proj.weight, cross.q_proj.bias)
-        for part, w, b in zip(
-            ("keys", "values"), cross.kv_proj.weight.split(d), cross.kv_proj.bias.split(d), strict=True
-        ):
-            _linear(state, f"{prefix}.context_attn.linear_{part}", w, b)
+        split(f"{prefix}.context_attn", ("keys", "values"), cross.kv_proj)
         _linear(state, f"{prefix}.context_attn.final_linear", cross.out_proj.weight, cross.out_proj.bias)
         _norm(state, f"{prefix}.layer_norm_2", layer.sub_cross.norm)
         feed_forward(f"{prefix}.feed_forward", layer)

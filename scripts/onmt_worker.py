@@ -72,29 +72,35 @@ def translator(model: Path) -> Any:
     return build_translator(options, report_score=False, out_file=open(os.devnull, "w"))
 
 
+def tensors(batches: list[dict[str, Any]]) -> list[tuple[dict[str, Any], int]]:
+    """The batches as `translate_batch` takes them (source ids right-padded with OpenNMT-py's
+    padding id 0, and their lengths), each with its output cap."""
+    import torch
+
+    out = []
+    for b in batches:
+        src = torch.zeros(len(b["src"]), max(len(s) for s in b["src"]), 1, dtype=torch.long)
+        for i, s in enumerate(b["src"]):
+            src[i, : len(s), 0] = torch.tensor(s)
+        out.append(({"src": src, "srclen": torch.tensor([len(s) for s in b["src"]])}, b["limit"]))
+    return out
+
+
 def decode(
-    tr: Any, batches: list[dict[str, Any]], beam: int, alpha: float, sampling: bool = False
+    tr: Any, batches: list[tuple[dict[str, Any], int]], beam: int, alpha: float, sampling: bool = False
 ) -> tuple[float, list[list[int]]]:
     """Every batch through `translate_batch` with beam `beam`, timed. Beam 1 is OpenNMT-py's
     default path for `-beam_size 1`, a beam search of one; with `sampling`, its GreedySearch
     (`-random_sampling_topk 1`: the argmax at each step)."""
-    import torch
     from onmt.translate import GNMTGlobalScorer
 
     tr.beam_size = beam
     tr.sample_from_topk = 1 if sampling else 0
     tr.global_scorer = GNMTGlobalScorer(alpha if beam > 1 else 0.0, 0.0, "wu" if beam > 1 else "none", "none")
     eos = tr._tgt_eos_idx
-    tensors = []
-    for b in batches:
-        width = max(len(s) for s in b["src"])
-        src = torch.zeros(len(b["src"]), width, 1, dtype=torch.long)  # OpenNMT-py's padding id is 0
-        for i, s in enumerate(b["src"]):
-            src[i, : len(s), 0] = torch.tensor(s)
-        tensors.append(({"src": src, "srclen": torch.tensor([len(s) for s in b["src"]])}, b["limit"]))
     outputs: list[list[int]] = []
     start = time.perf_counter()
-    for batch, limit in tensors:
+    for batch, limit in batches:
         tr.max_length = limit
         results = tr.translate_batch(batch, attn_debug=False)
         for hyps in results["predictions"]:
@@ -121,14 +127,14 @@ def main() -> None:
     torch.set_num_threads(threads)
     tr = translator(checkpoint(weights))
     answer({"ready": onmt.__version__, "torch": torch.__version__})
-    batches: list[dict[str, Any]] = []
+    batches: list[tuple[dict[str, Any], int]] = []
     with torch.inference_mode():
         for line in sys.stdin:
             request = json.loads(line)
             if not request:
                 return
             if "batches" in request:
-                batches = request["batches"]
+                batches = tensors(request["batches"])  # once, not in every timed pass
                 answer({"batches": len(batches)})
             else:
                 seconds, outputs = decode(

@@ -258,9 +258,7 @@ ECHO = Path(shutil.which("echo") or "/bin/echo")
 # OpenNMT-py 3.5.1's state dict of a 2+2-layer Transformer, recorded from `build_base_model` with
 # bench_onmt's options (d_model 16, 4 heads, FFN 32, 10 pieces, shared and tied embeddings):
 # layer 0 of each stack stands for every layer; D, F and V for d_model, FFN and vocabulary sizes
-ONMT_ATTENTION = [
-    f"{p}.linear_{n}.{w}" for p in ["{attn}"] for n in ("keys", "values", "query") for w in ("weight", "bias")
-]
+ONMT_ATTENTION = [f"{{attn}}.linear_{n}.{w}" for n in ("keys", "values", "query") for w in ("weight", "bias")]
 ONMT_TOP = {
     "encoder.embeddings.make_embedding.emb_luts.0.weight": ("V", "D"),
     "encoder.embeddings.make_embedding.pe.pe": (5000, 1, "D"),
