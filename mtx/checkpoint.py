@@ -165,7 +165,12 @@ def atomic_save(obj: dict[str, Any], path: Path) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace a small text file (e.g. config.yaml) atomically."""
-    _atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace a file (an image) atomically: a failed write leaves the old one."""
+    _atomic_write(path, lambda f: f.write(data))
 
 
 def _refusal_detail(message: str) -> str:
@@ -427,11 +432,12 @@ def any_runs_file(path: Path) -> Path | None:
     """The run whose own file or training checkpoint `path` is, whichever run that is (stop 54:
     eval --output and average --out checked the --run's files only, and wrote over another
     run's last.pt); None for any other path. A link is followed (it is written through), and in a
-    run's checkpoints/ any file there is counted, an average_lastN.pt too."""
+    run's checkpoints/ any file there is counted, an average_lastN.pt too, and any new one (stop
+    61: eval wrote its hypotheses there once, and refused the same command the second time)."""
     path = Path(os.path.realpath(path))
     run = path.parent.parent
     if (run / CONFIG_FILE).is_file() and (
-        _training_file(path, run) or (path.is_file() and path.parent.name == "checkpoints")
+        _training_file(path, run) or (path.parent.name == "checkpoints" and not path.is_dir())
     ):
         return run
     if (path.parent / CONFIG_FILE).is_file() and _same_path(path, run_files(path.parent)):

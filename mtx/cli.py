@@ -12,14 +12,17 @@ import json
 import logging
 import math
 import os
+import signal
+import stat
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from mtx import __version__
 from mtx.config import AT_MOST, MAX_LENGTH_PENALTY, QUANTIZATIONS, STOPS, name_problem
-from mtx.errors import MtxError, named_os_errors, os_error_line
+from mtx.errors import STOP_SIGNALS, MtxError, Terminated, named_os_errors, not_found, os_error_line
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -92,10 +95,10 @@ def add_set_option(p: argparse.ArgumentParser, help_text: str) -> None:
 
 
 def _add_decode_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", required=True, type=Path, help="run directory written by mtx train")
+    p.add_argument("--run", required=True, type=path_arg, help="run directory written by mtx train")
     p.add_argument(
         "--checkpoint",
-        type=Path,
+        type=path_arg,
         action="append",
         default=[],
         help="checkpoint file (default: the run's best.pt, else last.pt); repeat it to decode with the "
@@ -129,12 +132,31 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+class _StoreOnce(argparse._StoreAction):
+    """argparse's `store`, except that an option given twice is a usage error: argparse keeps the
+    last silently, and `eval --run a --run b` scored b alone (stop 61)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        given = namespace.__dict__.setdefault("_given_once", set())
+        if self.dest in given:
+            parser.error(f"argument {'/'.join(self.option_strings)}: given twice; give it once")
+        given.add(self.dest)
+        super().__call__(parser, namespace, values, option)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, except that help and version text that cannot be written is an error:
     argparse drops the OSError, so `mtx --help > /dev/full` printed nothing and exited 0 (stop 55);
     and a usage mistake is one line, as mtx's other errors are (stop 57: `--beam x` printed the
     seven-line usage of translate above it). Subcommands' parsers are of the same class
-    (`add_subparsers` makes them so)."""
+    (`add_subparsers` makes them so). An option that takes one value may be given once (`_StoreOnce`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
 
     def _print_message(self, message: str, file: IO[str] | None = None) -> None:
         if message:
@@ -156,12 +178,24 @@ class _Parser(argparse.ArgumentParser):
         return namespace
 
 
+def path_arg(text: str) -> Path:
+    """A path option's value, with a leading ~ or ~user expanded as in `data.dir`: the shell
+    leaves it after `--run-dir=` or in quotes (stop 61: a directory named `~` was made in the
+    working directory, and `--run=~/runs/x` was "not found")."""
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:  # no such user
+        raise argparse.ArgumentTypeError(
+            f"cannot expand {text.split('/', 1)[0]} in {text!r} (no such user); give the path in full"
+        ) from None
+
+
 def file_path(text: str) -> Path:
     """An output file's path: one that ends in a separator means a directory (stop 57: `average
     --out avgs/` wrote a file named avgs, `plot --out figs/` figs.png), an argparse error."""
     if text.endswith(("/", os.sep)) and text not in ("/", os.sep):
         raise argparse.ArgumentTypeError(f"{text!r} ends in {text[-1]!r}, a directory; give a file path")
-    return Path(text)
+    return path_arg(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,8 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train", help="train a model from a YAML config", description="Train a model from a YAML config."
     )
-    p.add_argument("--config", type=Path, help="YAML config, e.g. configs/multi30k_de_en.yaml")
-    p.add_argument("--run-dir", type=Path, help="run directory (default: runs/<config name>)")
+    p.add_argument("--config", type=path_arg, help="YAML config, e.g. configs/multi30k_de_en.yaml")
+    p.add_argument("--run-dir", type=path_arg, help="run directory (default: runs/<config name>)")
     add_set_option(p, "override a config key by its dotted name, e.g. --set train.max_steps=200 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from checkpoints/last.pt")
 
@@ -215,9 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(default ~/.cache/mtx/multi30k) "
         "if the directory lacks them",
     )
-    p.add_argument("--data-dir", type=Path, help="data directory (default: the one the run was trained on)")
-    p.add_argument("--src", type=Path, help="source file (plain or .gz), instead of --split")
-    p.add_argument("--ref", type=Path, help="reference file (plain or .gz), with --src")
+    p.add_argument("--data-dir", type=path_arg, help="data directory (default: the one the run was trained on)")
+    p.add_argument("--src", type=path_arg, help="source file (plain or .gz), instead of --split")
+    p.add_argument("--ref", type=path_arg, help="reference file (plain or .gz), with --src")
     p.add_argument("--lowercase", action="store_true", help="also report lowercased BLEU")
     p.add_argument(
         "--output",
@@ -234,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--paired",
-        type=Path,
+        type=path_arg,
         action="append",
         default=[],
         metavar="FILE",
@@ -249,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="average the last step checkpoints of a run",
         description="Average the weights of a run's newest checkpoints/step_N.pt files.",
     )
-    p.add_argument("--run", required=True, type=Path, help="run directory")
+    p.add_argument("--run", required=True, type=path_arg, help="run directory")
     p.add_argument("--last", type=int, default=5, help="how many of the newest step checkpoints (default: 5)")
     p.add_argument("--out", type=file_path, help="output file (default: RUN/checkpoints/average_lastN.pt)")
     p.add_argument(
@@ -265,15 +299,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a run's model (best.pt, or --checkpoint) as a CTranslate2 model directory with the "
         "run's tokenizers, for decoding without torch; --quantization int8 makes it smaller and faster on CPUs.",
     )
-    p.add_argument("--run", required=True, type=Path, help="run directory written by mtx train")
+    p.add_argument("--run", required=True, type=path_arg, help="run directory written by mtx train")
     p.add_argument(
         "--checkpoint",
-        type=Path,
+        type=path_arg,
         action="append",
         default=[],
         help="checkpoint file (default: the run's best.pt, else last.pt); one: average several first",
     )
-    p.add_argument("--out", type=Path, help="new directory to write (default: RUN/ctranslate2-QUANTIZATION)")
+    p.add_argument("--out", type=path_arg, help="new directory to write (default: RUN/ctranslate2-QUANTIZATION)")
     p.add_argument(
         "--quantization", choices=QUANTIZATIONS, default="float32", help="CTranslate2 weight type (default: float32)"
     )
@@ -284,12 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write an image (PNG) of losses, val BLEU and learning rate; several --run draw their curves "
         "together.",
     )
-    p.add_argument("--run", required=True, type=Path, action="append", help="run directory (repeatable)")
+    p.add_argument("--run", required=True, type=path_arg, action="append", help="run directory (repeatable)")
     p.add_argument(
         "--out",
         type=file_path,
-        help="output image: PNG, or the type its suffix names, e.g. .svg or .pdf (default: RUN/curves.png; several "
-        "runs: compare.png)",
+        help="output image: PNG, or the type its suffix names, e.g. .svg or .pdf; -: standard output, PNG "
+        "(default: RUN/curves.png; several runs: compare.png)",
     )
     p.add_argument("--x", choices=("step", "time"), default="step", help="x axis: update steps or minutes of training")
 
@@ -299,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print, at each validation of the first run, its val loss and greedy val BLEU and each "
         "other run's at the same step and at the same training time.",
     )
-    p.add_argument("--run", required=True, type=Path, action="append", help="run directory (at least two)")
+    p.add_argument("--run", required=True, type=path_arg, action="append", help="run directory (at least two)")
     return parser
 
 
@@ -391,6 +425,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
         raise MtxError("'-' (read standard input) cannot be mixed with TEXT arguments")
     if from_stdin and sys.stdin is None:  # (stop 54: an AttributeError's traceback)
         raise MtxError("standard input is closed; give the sentences as TEXT arguments or on standard input")
+    if from_stdin and _stdin_is_stdout():
+        # (stop 61: `mtx translate < f >> f` read its own translations back and translated them
+        # without end, filling the disk; `cat f >> f` refuses too)
+        raise MtxError("standard input and standard output are the same file; write the translations to another file")
     for i, text in enumerate([] if from_stdin else texts, 1):
         try:
             text.encode("utf-8")
@@ -502,7 +540,10 @@ def _source_tag(args: argparse.Namespace, name: str, run_data_dir: str = "") -> 
     else:
         return name
     digest = hashlib.sha1(str(path.resolve()).encode("utf-8")).hexdigest()[:8]
-    return f"{name}.{digest}"
+    # a long --src name is cut (the digest keeps it apart): with the tags added it passed the
+    # 255 bytes a file name may have (stop 61: "File name too long" for a name the user never chose)
+    short = name.encode("utf-8")[:100].decode("utf-8", "ignore")
+    return f"{short}.{digest}"
 
 
 def _checkpoint_tag(path: Path, run_dir: Path) -> str:
@@ -520,9 +561,12 @@ def _checkpoint_tag(path: Path, run_dir: Path) -> str:
 
 
 def _check_parents(option: str, path: Path) -> None:
-    """An output path under a regular file (`afile/x.en`) is one line naming that file, not the
-    system's "File exists" or "Not a directory" about another name."""
+    """An output path under a regular file (`afile/x.en`) or under a symbolic link to nothing is
+    one line naming that file or link, not the system's "File exists" or "Not a directory" about
+    another name."""
     for parent in path.parents:
+        if parent.is_symlink() and not parent.exists():  # (stop 61: "dd: File exists")
+            raise MtxError(f"{option} {path}: {not_found(parent, 'directory')}")
         if parent.exists():
             if not parent.is_dir():
                 raise MtxError(f"{option} {path}: {parent} is a file, not a directory")
@@ -534,7 +578,14 @@ def _check_file_path(option: str, path: Path, what: str) -> None:
     regular file, is a one-line error."""
     if path.is_dir():
         raise MtxError(f"{option} {path} is a directory; give {what}")
+    if path.is_symlink() and not path.exists() and not path.resolve().parent.is_dir():
+        # written through, the link would fail after the work (stop 61: after all the decoding)
+        raise MtxError(f"{option} {path}: a symbolic link to {os.readlink(path)}, whose directory does not exist")
     _check_parents(option, path)
+    if path.is_file() and not path.stat().st_mode & 0o222:  # a link to such a file too (stop 61)
+        # replaced through a new file and a rename, or written through a link by root, it would
+        # be overwritten whatever its mode (stop 61: average --out replaced a chmod 444 file)
+        raise MtxError(f"{option} {path} is write-protected (no write permission); pass {option} with another path")
 
 
 def _same_file(path: Path, others: Iterable[Path | None]) -> bool:
@@ -565,15 +616,14 @@ def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> Non
         if _same_file(output, paths):
             raise MtxError(f"the hypotheses file {output} is {what}; pass --output with another path")
     _not_a_runs_file(output, f"the hypotheses file {output}", "pass --output with another path")
-    if output.is_file() and not output.is_symlink() and not output.stat().st_mode & 0o222:
-        # written through a new file and a rename, it would be replaced whatever its mode
-        raise MtxError(f"--output {output} is write-protected (no write permission); pass --output with another path")
     if written_through(output):  # a device, pipe or link: it is opened as it is, not replaced
         return
     # the directory, or the nearest one above it where it is to be made (`parent_directories`)
     nearest = next(d for d in (output.parent, *output.parent.parents) if d.exists())
     if not os.access(nearest, os.W_OK | os.X_OK):
-        raise MtxError(f"--output {output}: cannot write to {output.parent}")
+        raise MtxError(
+            f"the hypotheses file {output}: cannot write to {output.parent}; pass --output with a writable path"
+        )
 
 
 def _training_data(cfg: Config, folders: Iterable[Path | None]) -> list[Path]:
@@ -597,6 +647,15 @@ def _is_stdout(path: Path) -> bool:
     except (OSError, ValueError, AttributeError):  # no such path; a stream without a descriptor
         return False
     return (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino)
+
+
+def _stdin_is_stdout() -> bool:
+    """Whether standard input and standard output are one regular file (`< f >> f`)."""
+    try:
+        ours, theirs = os.fstat(sys.stdin.fileno()), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stream without a descriptor
+        return False
+    return stat.S_ISREG(ours.st_mode) and (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -640,6 +699,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         src, ref = read_parallel(*split_files)
         name = args.split
     warn_unless_nfc(ref, str(args.ref or split_files[1]))
+    data = cfg.data
+    trained = [Path(data.dir) / f"{data.train_split}.{data.src_lang}{gz}" for gz in ("", ".gz")]
+    if (args.src is None and args.split == data.train_split) or (
+        args.src is not None and _same_file(args.src, trained)
+    ):
+        # (stop 61: scored without a word)
+        log.warning(
+            "%s is what the run was trained on (data.train_split %r): its score measures memory, not translation",
+            name,
+            cfg.data.train_split,
+        )
     samples = args.bootstrap or (PAIRED_SAMPLES if args.paired else 0)
     if samples * len(src) > MAX_RESAMPLED:  # before decoding; sacreBLEU would run out of memory after it
         raise MtxError(
@@ -762,6 +832,8 @@ def cmd_average(args: argparse.Namespace) -> int:
     from mtx.checkpoint import average_run, run_files
 
     if args.out is not None:
+        if str(args.out) == "-":  # (stop 61: a file named "-")
+            raise MtxError("--out - (standard output) cannot take an average, a checkpoint file; give a file path")
         _check_file_path("--out", args.out, "the average's file path")
         if args.out.exists() and not args.out.is_file():  # a device or a pipe: never replaced by a file
             raise MtxError(f"--out {args.out} is not a regular file; give a file path for the average")
@@ -785,11 +857,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from mtx.plot import plot_runs
 
     default = args.run[0] / "curves.png" if len(args.run) == 1 else Path("compare.png")
-    if args.out is not None:
+    to_stdout = str(args.out) == "-"  # (stop 61: it wrote a file named -.png)
+    if args.out is not None and not to_stdout:
         _check_file_path("--out", args.out, "the image's file path")
     out = args.out or default
-    _not_a_runs_file(out, f"--out {out}", "give another path for the image")
-    to_stdout = _is_stdout(out)  # the image itself goes there: no path after it
+    if not to_stdout:
+        _not_a_runs_file(out, f"--out {out}", "give another path for the image")
+        to_stdout = _is_stdout(out)  # the image itself goes there: no path after it
     written = plot_runs(args.run, out, args.x)
     if not to_stdout:
         print(written)
@@ -842,7 +916,8 @@ def main(argv: list[str] | None = None) -> int:
         if sys.stdout is None:  # (stop 54: translate's traceback after decoding; eval's scores lost)
             raise MtxError("standard output is closed; mtx writes its results there (redirect it to a file)")
         _utf8_stdout()
-        code = COMMANDS[args.command](args)
+        with _stop_signals():
+            code = COMMANDS[args.command](args)
         with named_os_errors("standard output"):  # what print() left in the buffer (eval's scores)
             sys.stdout.flush()
         return code
@@ -852,6 +927,9 @@ def main(argv: list[str] | None = None) -> int:
         if e.report:
             _error_line(f"mtx: {e.prefix}{e}")
         return e.exit_code
+    except Terminated as e:
+        _error_line(f"mtx: stopped by {signal.Signals(e.signum).name}")
+        return 128 + e.signum
     except KeyboardInterrupt:
         _error_line("mtx: interrupted")
         return 130
@@ -864,6 +942,27 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         _release_stdout()
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[None]:
+    """SIGTERM (`kill`, `timeout`, a job scheduler) and SIGHUP (a closed terminal) stop a command
+    as Ctrl-C does, so that what it made is cleaned up and it says so in one line (stop 61: eval
+    killed by SIGTERM left the directories it had made for its output, and said nothing).
+    Training saves a checkpoint on them instead (`StopRequest`, which takes them over)."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated(signum)
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    old = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _error_line(line: str) -> None:

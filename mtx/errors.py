@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Callable, Iterator
 
@@ -40,6 +41,19 @@ class Interrupted(MtxError):
         self.report = report
 
 
+# besides SIGINT (Ctrl-C): `kill`, `timeout` and job schedulers send SIGTERM, a closed terminal SIGHUP
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP outside training's own handling: it unwinds as Ctrl-C does (what a
+    failed command made is removed again), then `mtx: stopped by SIGNAL`, exit code 128 + signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def command_line(*words: object) -> str:
     """A command for the user to copy, each word quoted as a POSIX shell needs it: a run directory
     with a space or `$` in its name gave a command that did not work when pasted."""
@@ -51,6 +65,8 @@ def not_found(path: os.PathLike[str] | str, what: str) -> str:
     run directory linked to a removed disk said "run directory not found" of a link that is there."""
     if os.path.islink(path) and not os.path.exists(path):
         return f"{path}: a symbolic link to {os.readlink(path)}, which does not exist"
+    if what.endswith("directory") and os.path.exists(path) and not os.path.isdir(path):
+        return f"{path}: not a {what} (a file)"  # (stop 61: "run directory not found" of a file that is there)
     return f"{path}: {what} not found"
 
 

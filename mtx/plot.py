@@ -12,6 +12,8 @@ import hashlib
 import io
 import itertools
 import json
+import os
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -40,11 +42,20 @@ def _numbered_events(run_dir: Path) -> list[tuple[int, dict[str, Any]]]:
     for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         try:
             event = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # (stop 61: arrays nested 100,000 deep, a traceback)
             continue
         if isinstance(event, dict):
             events.append((number, event))
     return events
+
+
+def _as_float(value: float) -> bool:
+    """Whether a JSON number converts to a float (stop 61: an integer of 400 digits was a traceback)."""
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def _events(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -57,10 +68,11 @@ def _events(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             continue
         for key in NEEDED[kind]:
             value = event.get(key)
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not _as_float(value):
+                got = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
                 raise MtxError(
                     f"{run_dir / 'metrics.jsonl'}: line {number}: a {kind} event without a number {key!r} "
-                    f"(got {value!r}); the file is not as mtx train writes it"
+                    f"(got {got}); the file is not as mtx train writes it"
                 )
         events[kind].append(event)
     if not events["train"] and not events["valid"]:
@@ -71,7 +83,8 @@ def _events(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
 def run_labels(run_dirs: Sequence[Path]) -> list[str]:
     """Each run's directory name, with as many parent directories as it takes to tell runs apart
     (`a/base` and `b/base`, not `base` twice)."""
-    parts = [Path(r).resolve().parts for r in run_dirs]
+    # absolute, links kept: a linked run is named as given (stop 61: by its target's name)
+    parts = [Path(os.path.abspath(r)).parts for r in run_dirs]
     depth = 1
     while depth < max(len(p) for p in parts) and len({p[-depth:] for p in parts}) < len(parts):
         depth += 1
@@ -155,14 +168,24 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
         ax.grid(alpha=0.3)
     fig.suptitle(", ".join(str(r) for r in run_dirs))
     fig.tight_layout()
-    image_type = out.suffix[1:].lower() or "png"
+    to_stdout = str(out) == "-"
+    image_type = "png" if to_stdout else out.suffix[1:].lower() or "png"
     try:
+        # the image is made first: matplotlib's PNG writer cannot seek in a device or pipe, and a
+        # file written in place was left cut short by a full disk (stop 61: the old image lost)
+        image = io.BytesIO()
+        fig.savefig(image, dpi=100, format=image_type)
+        if to_stdout:
+            with named_os_errors("standard output"):
+                sys.stdout.buffer.write(image.getvalue())
+                sys.stdout.buffer.flush()
+            return out
         with parent_directories(out):  # (stop 57: a failed plot left the directories it had made)
-            if not written_through(out):
-                fig.savefig(out, dpi=100, format=image_type)
-            else:  # a device or pipe, which matplotlib's PNG writer cannot seek in: the image made first
-                image = io.BytesIO()
-                fig.savefig(image, dpi=100, format=image_type)
+            if not written_through(out):  # a new file renamed over the old one
+                from mtx.checkpoint import atomic_write_bytes
+
+                atomic_write_bytes(out, image.getvalue())
+            else:
                 with named_os_errors(str(out)), open(out, "wb") as f:  # (a full disk: the system's error names no file)
                     f.write(image.getvalue())
     except (RuntimeError, ValueError) as e:  # matplotlib's own (stop 56: .pgf without LaTeX was a traceback)
@@ -198,8 +221,8 @@ def written_through(path: Path) -> bool:
 def _image_path(out: Path, formats: Iterable[str]) -> Path:
     """`out`, with `.png` added where it has no suffix (matplotlib would add it unseen), unless it
     is a link, device or pipe (`/dev/stdout`: stop 54 wrote /dev/stdout.png), written through as PNG; an
-    image type matplotlib cannot write is a one-line error."""
-    if written_through(out):
+    image type matplotlib cannot write is a one-line error. `-` is standard output (PNG)."""
+    if str(out) == "-" or written_through(out):
         return out
     if not out.suffix:
         return out.with_suffix(".png")

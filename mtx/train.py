@@ -53,7 +53,15 @@ from mtx.data import (
     texts,
     warn_unless_nfc,
 )
-from mtx.errors import CheckpointError, ConfigError, Interrupted, MtxError, command_line, named_os_errors
+from mtx.errors import (
+    STOP_SIGNALS,
+    CheckpointError,
+    ConfigError,
+    Interrupted,
+    MtxError,
+    command_line,
+    named_os_errors,
+)
 from mtx.evaluate import corpus_scores
 from mtx.model import Dropout, Seq2Seq, make_src_mask
 from mtx.plot import parent_directories
@@ -227,16 +235,18 @@ def learning_rate(step: int, cfg: TrainConfig, d_model: int, elapsed: float = 0.
 
     `inverse_sqrt`: linear warmup then inverse square root decay. `noam`: the same shape scaled
     as in Vaswani et al., lr * d_model^-0.5 * min(...). `linear`: lr * min(step / warmup, the
-    fraction of the budget left), where the budget ends at train.max_steps or after
-    train.max_minutes, whichever comes first, so the rate reaches zero as training ends even when
-    the time budget stops it (the warmup ramp meets the decay a little below `lr`)."""
+    fraction of the budget left before this update), where the budget ends at train.max_steps or
+    after train.max_minutes, whichever comes first, so the rate reaches zero as training ends even
+    when the time budget stops it (the warmup ramp meets the decay a little below `lr`). The last
+    update of the step budget still moves the weights, at lr / max_steps (stop 61: its rate was 0,
+    so a run made max_steps - 1 updates and a 1-step fine-tune none)."""
     step = max(step, 1)
     warmup = max(cfg.warmup_steps, 1)
     ramp = min(1.0, step / warmup)
     if cfg.schedule == "constant":
         return cfg.lr * ramp
     if cfg.schedule == "linear":
-        return cfg.lr * max(0.0, min(ramp, 1.0 - budget_used(step, cfg, elapsed)))
+        return cfg.lr * max(0.0, min(ramp, 1.0 - budget_used(step - 1, cfg, elapsed)))
     factor = min(step / warmup, math.sqrt(warmup / step))
     if cfg.schedule == "noam":
         return cfg.lr * d_model**-0.5 * warmup**-0.5 * factor
@@ -665,7 +675,7 @@ class MovingAverage:
 
 
 class StopRequest:
-    """SIGINT/SIGTERM set a flag; the loop saves a checkpoint at the next step boundary.
+    """SIGINT, SIGTERM and SIGHUP set a flag; the loop saves a checkpoint at the next step boundary.
 
     A second signal, or the first while `at_once` is set (setting up, before anything could be
     saved), stops at once (KeyboardInterrupt). `announce=False` keeps the "received" line to itself
@@ -679,7 +689,7 @@ class StopRequest:
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, *STOP_SIGNALS):
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -779,6 +789,12 @@ class Trainer:
             log.warning(
                 "data.valid_split is the training split (%r): val loss and BLEU measure the training data, "
                 "and best.pt, patience and choices made on them will favour overfitting",
+                cfg.data.train_split,
+            )
+        if is_test_split(cfg.data.train_split) and ranks.is_main:  # (stop 61: not a word)
+            log.warning(
+                "data.train_split is a test split (%r): the model learns the sentences it would be tested on, "
+                "so no score on that split is a fair test; train on train",
                 cfg.data.train_split,
             )
         if is_test_split(cfg.data.valid_split) and ranks.is_main:
@@ -1098,10 +1114,14 @@ class Trainer:
     def _save_step_and_best(self, bleu: float) -> None:
         ckpts = ckpt_io.checkpoint_dir(self.run_dir)
         payload = self._payload(full=False)
-        if self.cfg.train.keep_last:
+        keep = self.cfg.train.keep_last
+        if keep:
             ckpt_io.atomic_save(payload, ckpts / f"step_{self.state.step}.pt")
-            for old in ckpt_io.step_checkpoints(self.run_dir)[: -self.cfg.train.keep_last]:
-                old.unlink()
+        # 0 keeps none: a run resumed with keep_last 0 kept its earlier step checkpoints, which
+        # `mtx average` then averaged as if they were the run's last (stop 61)
+        steps = ckpt_io.step_checkpoints(self.run_dir)
+        for old in steps[:-keep] if keep else steps:
+            old.unlink()
         if self.ema is not None:
             ckpt_io.atomic_save(
                 {**payload, "model": self.ema.model_state(), "ema_decay": self.ema.decay}, ckpts / "ema.pt"

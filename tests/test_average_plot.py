@@ -26,6 +26,7 @@ from mtx.checkpoint import (
 from mtx.cli import main
 from mtx.config import load_config
 from mtx.errors import CheckpointError
+from mtx.plot import run_labels
 from mtx.train import config_text
 
 from .conftest import TINY_CONFIG, script_in_process
@@ -431,6 +432,52 @@ def test_metrics_not_as_mtx_writes_them_are_one_line_errors(tmp_path: Path, caps
         assert err.count("\n") == 1 and "metrics.jsonl: line 5: a valid event without a number 'val_bleu'" in err
 
 
+def test_metrics_past_what_json_and_floats_take_are_skipped_or_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """stop 61: arrays nested 100,000 deep (RecursionError) and an integer of 400 digits (OverflowError)
+    in a hand-edited metrics.jsonl were tracebacks."""
+    good = fake_run(tmp_path / "good", 0.1, [3.0, 2.0])
+    deep = fake_run(tmp_path / "deep", 0.1, [3.0, 2.0])
+    with (deep / "metrics.jsonl").open("a") as f:
+        f.write("\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert main(["compare", "--run", str(good), "--run", str(deep)]) == 0  # the line skipped, as a torn one
+    capsys.readouterr()
+    huge = fake_run(tmp_path / "huge", 0.1, [3.0])
+    with (huge / "metrics.jsonl").open("a") as f:
+        f.write('\n{"event": "valid", "step": 200, "val_loss": 1' + "0" * 400 + ', "val_bleu": 1, "elapsed_s": 9}\n')
+    for argv in (["compare", "--run", str(good), "--run", str(huge)], ["plot", "--run", str(huge)]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "line 4: a valid event without a number 'val_loss' (got 1000" in err, err
+        assert len(err) < 250
+
+
+def test_plot_keeps_the_old_image_when_the_new_cannot_be_written_and_writes_to_standard_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture
+) -> None:
+    """stop 61: the image was written in place, so a full disk left it cut short and the old one
+    lost; `--out -` wrote a file named -.png."""
+    run = fake_run(tmp_path / "a", 0.1, [3.0, 2.0])
+    out = tmp_path / "c.png"
+    assert main(["plot", "--run", str(run), "--out", str(out)]) == 0
+    old = out.read_bytes()
+    capsysbinary.readouterr()
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", full)
+        assert main(["plot", "--run", str(run), "--x", "time", "--out", str(out)]) == 1
+    err = capsysbinary.readouterr().err.decode()
+    assert err == f"mtx: error: {out}: cannot write (No space left on device); the previous file is unchanged\n"
+    assert out.read_bytes() == old and sorted(p.name for p in tmp_path.iterdir()) == ["a", "c.png"]
+    monkeypatch.chdir(tmp_path)
+    assert main(["plot", "--run", str(run), "--out", "-"]) == 0
+    assert capsysbinary.readouterr().out[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "-.png").exists()
+
+
 def test_compare_lines_runs_up_at_equal_steps_and_equal_time(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # the second run's steps take half as long: at the first run's step 200 (40 s) it has validated step 400
     slow = fake_run(tmp_path / "slow", 0.2, [3.0, 2.0, 1.5])
@@ -463,6 +510,9 @@ def test_compare_tells_apart_runs_of_one_name_and_says_when_their_val_data_diffe
         "(100 sentences)): their scores do not compare"
     )
     assert lines[2].split()[2:5] == ["a/base", "b/base", "(same"]
+    # a run given through a link is named as given (stop 61: by its target's name, `base` twice)
+    (tmp_path / "linked").symlink_to(first)
+    assert run_labels([first, tmp_path / "linked"]) == ["base", "linked"]
     (second / "config.yaml").write_text(de_en)
     assert main(["compare", "--run", str(first), "--run", str(second)]) == 0
     assert not capsys.readouterr().out.splitlines()[1].startswith("note:")

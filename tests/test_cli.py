@@ -11,6 +11,7 @@ import pty
 import re
 import select
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -27,6 +28,7 @@ from mtx.cli import (
     _check_output,
     _hypotheses_name,
     _source_tag,
+    _stdin_is_stdout,
     _training_data,
     _utf8_stdout,
     build_parser,
@@ -600,7 +602,8 @@ def test_eval_never_writes_over_a_file_it_reads_or_another_systems_hypotheses(
     monkeypatch.setattr(os, "access", lambda *a: False)  # (a read-only directory; root may write any other)
     refused(
         [*common, "--output", str(tmp_path / "out" / "h.en")],
-        f"--output {tmp_path / 'out' / 'h.en'}: cannot write to {tmp_path / 'out'}",
+        f"the hypotheses file {tmp_path / 'out' / 'h.en'}: cannot write to {tmp_path / 'out'}; "
+        "pass --output with a writable path",
     )
 
 
@@ -666,6 +669,16 @@ def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision()
     own = build_parser().parse_args(["eval", "--run", "r", "--data-dir", "data/../data"])
     assert re.fullmatch(r"val\.[0-9a-f]{8}", _source_tag(other, "val", "data"))
     assert _source_tag(own, "val", "data") == "val"
+
+    # a long --src name is cut, the digest keeping it apart (stop 61: with the tags added, a legal
+    # 248-character name became a file name too long to write); a character is never cut in two
+    def named(path: str) -> str:
+        args = build_parser().parse_args(["eval", "--run", "r", "--src", path, "--ref", "x.en"])
+        return _source_tag(args, Path(path).name)  # as cmd_eval names a --src file
+
+    long = named("s" * 245 + ".de")
+    assert re.fullmatch(r"s{100}\.[0-9a-f]{8}", long) and long != named("x/" + "s" * 245 + ".de")
+    assert named("ä" * 120)[:-9] == "ä" * 50
 
 
 def test_eval_and_translate_in_bf16(tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -736,6 +749,107 @@ def test_eval_refuses_an_empty_split_and_a_write_protected_output(
     _check_output(kept, {})  # writable: replaced as before
 
 
+def test_outputs_through_links_and_in_checkpoints_are_checked_before_the_work(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop 61: a link to a write-protected file was written through (as root), a link into a
+    missing directory and an output under a link to nothing failed only after decoding or with
+    the system's "File exists", and a new file in a run's checkpoints/ was written once and then
+    refused as a checkpoint."""
+    kept = tmp_path / "kept.en"
+    kept.write_text("mine\n")
+    kept.chmod(0o444)
+    (tmp_path / "to_kept.en").symlink_to(kept)
+    with pytest.raises(MtxError, match=r"to_kept.en is write-protected .*; pass --output with another path$"):
+        _check_output(tmp_path / "to_kept.en", {})
+    (tmp_path / "dangling.en").symlink_to(tmp_path / "gone" / "dir" / "h.en")
+    with pytest.raises(
+        MtxError, match=r"dangling.en: a symbolic link to .*gone/dir/h.en, whose directory does not exist"
+    ):
+        _check_output(tmp_path / "dangling.en", {})
+    (tmp_path / "dd").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(MtxError, match=r"dd/h.en: .*dd: a symbolic link to .*nowhere, which does not exist$"):
+        _check_output(tmp_path / "dd" / "h.en", {})
+    (tmp_path / "new.en").symlink_to(tmp_path / "new_target.en")  # a link to a file to be made: written through
+    _check_output(tmp_path / "new.en", {})
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    with pytest.raises(MtxError, match=r"is one of the files of the run"):
+        _check_output(run / "checkpoints" / "hyp.en", {})
+    # average and plot: the same checks on --out, nothing written
+    for argv in (["average", "--run", str(run), "--last", "2"], ["plot", "--run", str(run)]):
+        r = mtx_here(monkeypatch, *argv, "--out", str(kept))
+        assert_one_line_error(r, f"--out {kept} is write-protected (no write permission); pass --out with another path")
+        r = mtx_here(monkeypatch, *argv, "--out", str(tmp_path / "dd" / "x"))
+        assert_one_line_error(r, f"{tmp_path / 'dd'}: a symbolic link to {tmp_path / 'nowhere'}, which does not exist")
+    assert kept.read_text() == "mine\n" and not (tmp_path / "nowhere").exists()
+    r = mtx_here(monkeypatch, "average", "--run", str(run), "--last", "2", "--out", "-")
+    assert_one_line_error(r, "--out - (standard output) cannot take an average")
+    assert not (REPO / "-").exists()
+
+
+def test_a_command_stopped_by_sigterm_or_sighup_cleans_up_and_says_so(
+    tiny_run: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop 61: SIGTERM or SIGHUP during eval ended it without a word, leaving the directories it
+    had made for its output (Ctrl-C removed them)."""
+    import mtx.search
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+
+        def killed(*args: object, _sig: int = sig, **kwargs: object) -> None:
+            os.kill(os.getpid(), _sig)  # handled in this (the main) thread before kill returns
+            raise AssertionError("the signal did not stop the command")
+
+        monkeypatch.setattr(mtx.search, "translate", killed)
+        out = tmp_path / "made" / "sub" / "h.en"
+        src, ref = small_data / "val.de", small_data / "val.en"
+        r = mtx_here(
+            monkeypatch, "eval", "--run", str(tiny_run), "--src", str(src), "--ref", str(ref), "--output", str(out)
+        )
+        assert r.returncode == 128 + sig, r.stderr.decode()
+        assert r.stderr.decode().splitlines()[-1] == f"mtx: stopped by {sig.name}"
+        assert not (tmp_path / "made").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
+
+
+def test_translate_refuses_standard_input_and_output_as_one_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop 61: `mtx translate < f >> f` read its own translations back, without end."""
+    f = tmp_path / "both.txt"
+    f.write_text("Ein Hund.\n")
+    with f.open("r", encoding="utf-8") as stdin, f.open("a", encoding="utf-8") as stdout:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert main(["translate", "--run", str(tmp_path / "no-run")]) == 1
+    assert f.read_text() == "Ein Hund.\n"
+    with f.open("r", encoding="utf-8") as stdin, (tmp_path / "other.txt").open("w") as stdout:
+        monkeypatch.setattr(sys, "stdin", stdin)
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert not _stdin_is_stdout()
+
+
+def test_an_option_given_twice_and_a_tilde_in_a_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """stop 61: `eval --run a --run b` scored b alone without a word (argparse keeps the last); `~`
+    after `--run-dir=`, which the shell leaves, made a directory named `~`."""
+    for argv in (["eval", "--run", "a", "--run", "b"], ["average", "--run", "a", "--last", "1", "--last", "2"]):
+        r = mtx_here(monkeypatch, *argv)
+        assert r.returncode == 2 and r.stderr.decode().splitlines() == [
+            f"mtx: error: argument {argv[-2]}: given twice; give it once (see mtx {argv[0]} --help)"
+        ]
+    assert build_parser().parse_args(["plot", "--run", "a", "--run", "b"]).run == [Path("a"), Path("b")]  # repeatable
+    monkeypatch.setenv("HOME", str(tmp_path))
+    args = build_parser().parse_args(["train", "--run-dir=~/runs/x", "--config", "~/c.yaml"])
+    assert (args.run_dir, args.config) == (tmp_path / "runs" / "x", tmp_path / "c.yaml")
+    assert build_parser().parse_args(["plot", "--run=~/r", "--out=~/p.png"]).out == tmp_path / "p.png"
+    r = mtx_here(monkeypatch, "translate", "--run=~nosuchuser61/r", "hi")
+    assert r.returncode == 2 and "cannot expand ~nosuchuser61 in '~nosuchuser61/r' (no such user)" in r.stderr.decode()
+    (tmp_path / "c.yaml").touch()
+    r = mtx_here(monkeypatch, "translate", "--run", str(tmp_path / "c.yaml"), "hi")
+    assert_one_line_error(r, f"{tmp_path / 'c.yaml'}: not a run directory (a file)")
+
+
 def test_eval_output_never_replaces_the_training_data(tmp_path: Path) -> None:
     # a hypotheses file replaced train.en of the data directory (only the split read was protected)
     cfg = load_config(REPO / "configs" / "tiny.yaml")
@@ -747,3 +861,28 @@ def test_eval_output_never_replaces_the_training_data(tmp_path: Path) -> None:
             _check_output(tmp_path / name, data)
         assert (tmp_path / name).read_text() == "data\n"
     _check_output(tmp_path / "test_x.en", data)  # another split's file, as any other file, may be chosen
+
+
+def test_training_on_a_test_split_and_scoring_the_training_split_are_warned(
+    tiny_run: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop 61: training warned of validating on a test split but not of training on one, and eval
+    scored the run's own training data without a word."""
+    import mtx.search
+
+    r = mtx_here(
+        monkeypatch,
+        *tiny_args(small_data, tmp_path / "run", "--set", "data.train_split=test_2016_flickr"),
+        *("--set", "train.max_steps=1", "--set", "train.eval_sentences=2", "--set", "tokenizer.vocab_size=300"),
+    )
+    assert r.returncode == 0, r.stderr.decode()
+    assert "data.train_split is a test split ('test_2016_flickr')" in r.stderr.decode()
+    monkeypatch.setattr(
+        mtx.search, "translate", lambda model, tok, ids, *a, **k: ["a"] * len(ids)
+    )  # scored, not decoded
+    for how in (["--split", "train"], ["--src", str(small_data / "train.de"), "--ref", str(small_data / "train.en")]):
+        r = mtx_here(monkeypatch, "eval", "--run", str(tiny_run), *how, "--output", str(tmp_path / "h.en"))
+        assert r.returncode == 0, r.stderr.decode()
+        assert "is what the run was trained on (data.train_split 'train')" in r.stderr.decode()
+    r = mtx_here(monkeypatch, "eval", "--run", str(tiny_run), "--split", "val", "--output", str(tmp_path / "h.en"))
+    assert r.returncode == 0 and "trained on" not in r.stderr.decode()

@@ -294,7 +294,7 @@ def test_auto_data_completes_a_half_filled_cache_and_names_what_it_lacks(
 
 
 def test_eval_fetches_an_official_test_split_the_data_dir_lacks(
-    multi30k_server: FakeMulti30k, small_data: Path, tmp_path: Path
+    multi30k_server: FakeMulti30k, small_data: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake = multi30k_server
     before = sorted(p.name for p in small_data.iterdir())
@@ -303,7 +303,11 @@ def test_eval_fetches_an_official_test_split_the_data_dir_lacks(
     assert (src, tgt) == (cache / "test_2017_flickr.de.gz", cache / "test_2017_flickr.en.gz")
     assert read_lines(tgt) == read_lines(small_data / "val.en")  # the fake's test_2017_flickr
     assert fake.requested == ["test_2017_flickr.de.gz", "test_2017_flickr.en.gz"]
+    caplog.clear()
     assert eval_split_files(small_data, "test_2017_flickr", "de", "en") == (src, tgt) and len(fake.requested) == 2
+    # said when taken from the cache too (stop 61: a run on the user's own corpus was scored on
+    # Multi30k's test_2016_flickr from the cache without a word)
+    assert f"test_2017_flickr is not in {small_data}: scoring the official Multi30k test_2017_flickr" in caplog.text
     # a split the data directory holds is read from there, whatever the cache holds
     assert eval_split_files(small_data, "test_2016_flickr", "de", "en")[0] == small_data / "test_2016_flickr.de"
     assert sorted(p.name for p in small_data.iterdir()) == before  # the data directory is never written

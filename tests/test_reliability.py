@@ -394,6 +394,12 @@ def test_keep_last_removes_only_step_checkpoints_training_wrote(tmp_path: Path, 
         shutil.copyfile(ckpts / "step_1.pt", ckpts / name)
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=3"]) == 0
     assert sorted(p.name for p in ckpts.glob("step_*")) == sorted(["step_3.pt", *mine])
+    # keep_last 0 on resume keeps none (stop 61: step_3.pt stayed, and `mtx average` took it for the run's last)
+    assert (
+        main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=4", "--set", "train.keep_last=0"])
+        == 0
+    )
+    assert sorted(p.name for p in ckpts.glob("step_*")) == sorted(mine)
 
 
 def test_a_stop_between_log_lines_resumes_the_log_window_and_validates_its_last_step(
@@ -546,7 +552,7 @@ def test_a_second_training_on_a_run_directory_in_use_is_refused(
 
 
 # -- stop signals and kill -9 -------------------------------------------------------------------
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"])
 def test_stop_signal_saves_and_tells_how_to_resume(tmp_path: Path, mini_data: Path, sig: signal.Signals) -> None:
     run_dir = tmp_path / "run"
     args = mini_args(mini_data, run_dir, "--set", "train.max_steps=100000", "--set", "train.eval_every=1000")

@@ -50,10 +50,13 @@ def test_inverse_sqrt_schedule_warms_up_then_decays() -> None:
 def test_linear_schedule_reaches_zero_at_the_end_of_steps_or_minutes() -> None:
     by_steps = TrainConfig(lr=1e-3, warmup_steps=100, max_steps=1000, schedule="linear")
     assert learning_rate(50, by_steps, 256) == pytest.approx(5e-4)  # warmup ramp
-    assert learning_rate(500, by_steps, 256) == pytest.approx(5e-4)  # half the steps left
-    assert learning_rate(1000, by_steps, 256) == 0.0
+    assert learning_rate(501, by_steps, 256) == pytest.approx(5e-4)  # half the steps left before it
+    # the last update still moves the weights (stop 61: its rate was 0); after it, the rate is 0
+    assert learning_rate(1000, by_steps, 256) == pytest.approx(1e-6) and learning_rate(1001, by_steps, 256) == 0.0
+    one_step = TrainConfig(lr=1e-3, warmup_steps=1, max_steps=1, schedule="linear")  # a 1-step fine-tune
+    assert learning_rate(1, one_step, 256) == pytest.approx(1e-3)
     timed = TrainConfig(lr=1e-3, warmup_steps=100, max_steps=1000, max_minutes=10, schedule="linear")
-    assert learning_rate(200, timed, 256, elapsed=0.0) == pytest.approx(8e-4)  # steps used up faster
+    assert learning_rate(201, timed, 256, elapsed=0.0) == pytest.approx(8e-4)  # steps used up faster
     assert learning_rate(200, timed, 256, elapsed=450.0) == pytest.approx(2.5e-4)  # 3/4 of the minutes used
     assert learning_rate(200, timed, 256, elapsed=900.0) == 0.0  # past the budget: never negative
 
