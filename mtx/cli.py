@@ -146,6 +146,13 @@ class _StoreOnce(argparse._StoreAction):
         super().__call__(parser, namespace, values, option)
 
 
+def refuse_repeats(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser` with `_StoreOnce` for its one-value options: the scripts' parsers, as mtx's own."""
+    parser.register("action", None, _StoreOnce)
+    parser.register("action", "store", _StoreOnce)
+    return parser
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, except that help and version text that cannot be written is an error:
     argparse drops the OSError, so `mtx --help > /dev/full` printed nothing and exited 0 (stop 55);
@@ -155,8 +162,7 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.register("action", None, _StoreOnce)
-        self.register("action", "store", _StoreOnce)
+        refuse_repeats(self)
 
     def _print_message(self, message: str, file: IO[str] | None = None) -> None:
         if message:
@@ -204,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train Transformer translation models on Multi30k, translate, and score with sacreBLEU.",
     )
     parser.add_argument("--version", action="version", version=f"mtx {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="(before COMMAND) debug logging, and the traceback behind an error"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser(

@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_decode import MtxSide, add_side_by_side_options, passes_in_turns, side_by_side_report  # noqa: E402
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
-from mtx.errors import run_script  # noqa: E402
+from mtx.cli import refuse_repeats  # noqa: E402
+from mtx.errors import MtxError, run_script  # noqa: E402
 from mtx.export import OUTSIDE_BIAS, ctranslate2_vocabulary, export_ctranslate2  # noqa: E402
 from mtx.search import decode_workers  # noqa: E402
 
@@ -95,14 +96,14 @@ def _ct2_worker(conn: Any, model_dir: str, threads: int, batches: list[Any], alp
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = refuse_repeats(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--run", type=Path, required=True, help="trained mtx run directory")
     add_side_by_side_options(parser)
     args = parser.parse_args()
     try:
         import ctranslate2
     except ImportError:
-        sys.exit("bench_ctranslate2: needs CTranslate2; run: pip install ctranslate2")
+        raise MtxError("needs CTranslate2; run: pip install ctranslate2") from None
 
     torch.set_num_threads(args.threads)
     # mtx's default layout, at least 2 workers, but never more threads than --threads (stop 53: with
@@ -111,8 +112,8 @@ def main() -> None:
     run = load_run(args.run)
     cfg = run.cfg
     if cfg.model.norm != "layer" or cfg.model.fix_norm:
-        sys.exit(
-            "bench_ctranslate2: the run's model uses model.norm=scale or model.fix_norm, which this side-by-side "
+        raise MtxError(
+            "the run's model uses model.norm=scale or model.fix_norm, which this side-by-side "
             "benchmark does not cover (mtx export converts them); benchmark a run with LayerNorm and fix_norm false"
         )
     mtx = MtxSide(run, args)
@@ -163,7 +164,7 @@ def main() -> None:
     keys, agree = mtx.agreement(outputs, engine, same, beam_name)
     print(json.dumps(summary | keys))
     if agree is not None and agree < 0.9:
-        sys.exit("bench_ctranslate2: greedy outputs disagree on over 10% of sentences; the conversion is wrong")
+        raise MtxError("greedy outputs disagree on over 10% of sentences; the conversion is wrong")
 
 
 if __name__ == "__main__":

@@ -42,9 +42,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
-from mtx.cli import add_set_option, int_in, thread_count, usable_cpus  # noqa: E402
+from mtx.cli import add_set_option, int_in, refuse_repeats, thread_count, usable_cpus  # noqa: E402
 from mtx.cli import main as mtx_main  # noqa: E402
-from mtx.config import load_config  # noqa: E402
+from mtx.config import AT_MOST, load_config  # noqa: E402
 from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
 from mtx.export import outside_bias  # noqa: E402
@@ -134,7 +134,12 @@ def add_side_by_side_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-sentences", type=int_in(1), default=64, help="sentences per batch (default: %(default)s)"
     )
-    parser.add_argument("--beam", type=int_in(1), default=5, help="the beam row's width (default: %(default)s)")
+    parser.add_argument(
+        "--beam",
+        type=int_in(1, AT_MOST["decode.beam"], "as mtx takes"),  # (stop 61: 100,000 ran out of memory after minutes)
+        default=5,
+        help="the beam row's width (default: %(default)s)",
+    )
     parser.add_argument("--sentences", type=int_in(0), default=0, help="first N sentences only (0: all)")
     parser.add_argument("--rounds", type=int_in(1), default=2, help="timed passes over the split per setting")
 
@@ -268,7 +273,7 @@ class WholeVocabulary(Seq2Seq):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = refuse_repeats(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--run", type=Path, help="trained run directory (default: train one)")
     parser.add_argument(
         "--config", help="config to train when --run is not given (default: this checkout's configs/tiny.yaml)"

@@ -36,7 +36,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtx.cli import add_set_option, int_in, thread_count, usable_cpus  # noqa: E402
+from mtx.cli import add_set_option, int_in, refuse_repeats, thread_count, usable_cpus  # noqa: E402
 from mtx.config import Config, ModelConfig, load_config  # noqa: E402
 from mtx.data import Batch, ParallelIds, load_corpus, padding_fraction, plan_batches, resolve_data_dir, texts  # noqa: E402
 from mtx.errors import MtxError, run_script  # noqa: E402
@@ -216,9 +216,11 @@ def make_step(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = refuse_repeats(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument(
-        "--config", default="configs/multi30k_de_en.yaml", help="the config timed (default: %(default)s)"
+        "--config",
+        default=str(Path(__file__).resolve().parent.parent / "configs" / "multi30k_de_en.yaml"),
+        help="the config timed (default: the checkout's configs/multi30k_de_en.yaml)",
     )
     add_set_option(parser, "a config key (repeatable)")
     parser.add_argument("--steps", type=int_in(1), default=12, help="timed steps per setting")

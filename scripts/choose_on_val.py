@@ -45,8 +45,8 @@ from mtx.checkpoint import (  # noqa: E402
     restore_best_single,
     step_checkpoints,
 )
-from mtx.cli import thread_count, usable_cpus  # noqa: E402
-from mtx.config import MAX_LENGTH_PENALTY  # noqa: E402
+from mtx.cli import refuse_repeats, thread_count, usable_cpus  # noqa: E402
+from mtx.config import AT_MOST, MAX_LENGTH_PENALTY  # noqa: E402
 from mtx.data import is_test_split, read_parallel, split_file  # noqa: E402
 from mtx.errors import MtxError, command_line, run_script  # noqa: E402
 from mtx.evaluate import PAIRED_SAMPLES, corpus_scores, paired_tests  # noqa: E402
@@ -75,6 +75,15 @@ def counts(text: str) -> list[int]:
     return [int(x) for x in parts]
 
 
+def beams(text: str) -> list[int]:
+    """'5,8' -> [5, 8], each at most mtx's largest beam (stop 61: 100,000 ran out of memory after
+    every candidate had been scored, and a beam above it gave an `mtx eval` command mtx refuses)."""
+    values = counts(text)
+    if any(v > AT_MOST["decode.beam"] for v in values):
+        raise argparse.ArgumentTypeError(f"beam sizes must be at most {AT_MOST['decode.beam']:,}, got {text!r}")
+    return values
+
+
 def val_bleu(
     model: Seq2Seq | Ensemble, run: LoadedRun, src_ids: list[list[int]], refs: list[str], alpha: float, beam: int = 0
 ) -> tuple[float, list[str]]:
@@ -100,7 +109,7 @@ def val_bleu(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = refuse_repeats(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     parser.add_argument("--run", type=Path, required=True, help="run directory written by mtx train")
     parser.add_argument(
         "--last",
@@ -115,7 +124,7 @@ def main() -> None:
         help="length penalties to try on the best checkpoint, comma-separated (default: 0.6,0.8,1.0,1.2,1.4,1.6,2.0)",
     )
     parser.add_argument(
-        "--beam", type=counts, default="", help="beam sizes to try, comma-separated (default: the config's)"
+        "--beam", type=beams, default="", help="beam sizes to try, comma-separated (default: the config's)"
     )
     parser.add_argument(
         "--ensemble",

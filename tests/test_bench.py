@@ -181,6 +181,37 @@ def test_benchmarks_report_a_user_mistake_in_one_line(
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {message.format(**names)}"), err
 
 
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        # (stop 61: the last of two values was taken without a word)
+        ("bench_decode.py", ["--sentences", "3", "--sentences", "7"], "argument --sentences: given twice"),
+        ("choose_on_val.py", ["--run", "r", "--last", "2", "--last", "3"], "argument --last: given twice"),
+        # mtx's largest beam (stop 61: 100,000 ran out of memory after minutes, with a traceback)
+        ("bench_onmt.py", ["--run", "r", "--beam", "100000"], "argument --beam: must be in 1..1000 (as mtx takes)"),
+        ("bench_ctranslate2.py", ["--run", "r", "--beam", "1001"], "argument --beam: must be in 1..1000"),
+        ("choose_on_val.py", ["--run", "r", "--beam", "5,100000"], "argument --beam: beam sizes must be at most 1,000"),
+    ],
+)
+def test_scripts_refuse_an_option_twice_and_a_beam_mtx_refuses(
+    script: str, args: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = script_in_process(SCRIPT.with_name(script), args, monkeypatch, capsys)
+    assert code == 2 and f"{script}: error: {message}" in err, err
+    assert "Traceback" not in err
+
+
+def test_bench_train_finds_its_default_config_from_any_directory(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """stop 61: run from outside the checkout, its relative default was "config file not found".
+    Here the default config is read, and stops at the data check (too few batches for the steps)."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--set", f"data.dir={mini_data}", "--steps", "999"]
+    code, _, err = script_in_process(SCRIPT.with_name("bench_train.py"), args, monkeypatch, capsys)
+    assert code == 1 and f"bench_train: error: {mini_data}: train makes" in err, err
+
+
 def test_bench_decode_cuts_a_source_to_the_positions_as_eval_does(
     tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -202,7 +233,11 @@ def test_bench_decode_cuts_a_source_to_the_positions_as_eval_does(
     ("script", "args", "message"),
     [
         ("bench_decode.py", ["--threads", "100000"], "argument --threads: must be in 1.."),
-        ("bench_ctranslate2.py", ["--run", ".", "--beam", "0"], "argument --beam: must be >= 1, got 0"),
+        (
+            "bench_ctranslate2.py",
+            ["--run", ".", "--beam", "0"],
+            "argument --beam: must be in 1..1000 (as mtx takes), got 0",
+        ),
         ("bench_train.py", ["--steps", "-2"], "argument --steps: must be >= 1, got -2"),
         ("bench_train.py", ["--compile", "--warmup", "0"], "torch.compile compiles in the first step"),
         # --set configures the run trained without --run; it was ignored beside --run
