@@ -29,7 +29,6 @@ so that tokens/s can be read with that in mind.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import sys
 import tempfile
@@ -153,18 +152,10 @@ def main() -> None:
     summary: dict[str, float | None] = {}
     for kind, key in (("greedy", "greedy"), (beam_name, "beam")):
         layouts = [f"ctranslate2 {kind}", f"ctranslate2 {kind}, {side_by_side} workers"]
-        ct2 = min((name for name in layouts if name in seconds), key=seconds.__getitem__)
-        summary |= mtx.rates(kind, key, tokens, seconds) | {
-            f"ct2_{key}_tok_per_s": round(tokens[ct2] / seconds[ct2], 1),  # its faster layout
-            f"ct2_{key}_workers": 1 if ct2 == f"ctranslate2 {kind}" else side_by_side,
-            # the same sentences in each pass: a ratio of sentences/s (of time), not of output tokens/s,
-            # since the two engines' outputs differ in length (stop 55: quoted beside tok/s)
-            f"{key}_sent_per_s_ratio_mtx_over_ct2": round(seconds[ct2] / seconds[f"mtx {kind}"], 3),
-        }
+        ct2, keys = mtx.against(kind, key, tokens, seconds, layouts, "ct2")  # its faster layout
+        summary |= keys | {f"ct2_{key}_workers": 1 if ct2 == f"ctranslate2 {kind}" else side_by_side}
     keys, agree = mtx.agreement(outputs, engine, same, beam_name)
-    print(json.dumps(summary | keys))
-    if agree is not None and agree < 0.9:
-        raise MtxError("greedy outputs disagree on over 10% of sentences; the conversion is wrong")
+    mtx.conclude(summary | keys, agree)
 
 
 if __name__ == "__main__":

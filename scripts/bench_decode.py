@@ -46,7 +46,7 @@ from mtx.cli import add_set_option, int_in, refuse_repeats, thread_count, usable
 from mtx.cli import main as mtx_main  # noqa: E402
 from mtx.config import AT_MOST, load_config  # noqa: E402
 from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
-from mtx.errors import run_script  # noqa: E402
+from mtx.errors import MtxError, run_script  # noqa: E402
 from mtx.export import outside_bias  # noqa: E402
 from mtx.model import Seq2Seq  # noqa: E402
 from mtx.search import (  # noqa: E402
@@ -237,6 +237,29 @@ class MtxSide:
             f"mtx_{key}_tok_per_s": round(tokens[f"mtx {kind}"] / seconds[f"mtx {kind}"], 1),
             f"mtx_{key}_tok_per_s_1_worker": round(tokens[f"mtx {kind}"] / seconds[f"mtx {kind}, 1 worker"], 1),
         }
+
+    @staticmethod
+    def against(
+        kind: str, key: str, tokens: dict[str, int], seconds: dict[str, float], layouts: list[str], short: str
+    ) -> tuple[str, dict[str, float]]:
+        """The other engine's faster row of one search (of `layouts`, those timed), and the JSON
+        keys of the search: mtx's rates, that row's output tokens/s (`SHORT_KEY_tok_per_s`) and
+        mtx's sentences/s over it."""
+        theirs = min((name for name in layouts if name in seconds), key=seconds.__getitem__)
+        return theirs, MtxSide.rates(kind, key, tokens, seconds) | {
+            f"{short}_{key}_tok_per_s": round(tokens[theirs] / seconds[theirs], 1),
+            # the same sentences in each pass: a ratio of sentences/s (of time), not of output
+            # tokens/s, since the two engines' outputs differ in length (stop 55: quoted beside tok/s)
+            f"{key}_sent_per_s_ratio_mtx_over_{short}": round(seconds[theirs] / seconds[f"mtx {kind}"], 3),
+        }
+
+    @staticmethod
+    def conclude(summary: dict[str, object], agree: float | None) -> None:
+        """The JSON line; then an error where fewer than 90% of the greedy outputs mtx ended agree
+        (`agreement`): the two engines do not run the same model."""
+        print(json.dumps(summary))
+        if agree is not None and agree < 0.9:
+            raise MtxError("greedy outputs disagree on over 10% of sentences; the conversion is wrong")
 
     def agreement(
         self, outputs: dict[str, list[list[int]]], engine: tuple[str, str], same: dict[str, float], beam: str

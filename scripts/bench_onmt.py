@@ -261,13 +261,9 @@ def main() -> None:
     summary: dict[str, float | None] = {}
     for kind, key in (("greedy", "greedy"), (beam_name, "beam")):
         layouts = [f"opennmt-py {kind}", f"opennmt-py {kind}, GreedySearch"]
-        onmt = min((name for name in layouts if name in seconds), key=seconds.__getitem__)  # its faster path
-        summary |= mtx.rates(kind, key, tokens, seconds) | {
-            f"onmt_{key}_tok_per_s": round(tokens[onmt] / seconds[onmt], 1),
+        onmt, keys = mtx.against(kind, key, tokens, seconds, layouts, "onmt")  # its faster path
+        summary |= keys | {
             f"onmt_{key}_search": "GreedySearch" if onmt.endswith("GreedySearch") else "BeamSearch",
-            # the same sentences in each pass: a ratio of sentences/s (of time), not of output
-            # tokens/s, since the two engines' outputs differ in length
-            f"{key}_sent_per_s_ratio_mtx_over_onmt": round(seconds[onmt] / seconds[f"mtx {kind}"], 3),
             f"{key}_sent_per_s_ratio_mtx_1_worker_over_onmt": round(
                 seconds[onmt] / seconds[f"mtx {kind}, 1 worker"], 3
             ),
@@ -276,9 +272,7 @@ def main() -> None:
     pairs = zip(outputs["opennmt-py greedy"], outputs["opennmt-py greedy, GreedySearch"], strict=True)
     searches = sum(x == y for x, y in pairs)
     print(f"OpenNMT-py's two greedy searches give the same output for {searches} of {mtx.n}")
-    print(json.dumps(summary | keys))
-    if agree is not None and agree < 0.9:
-        raise MtxError("greedy outputs disagree on over 10% of sentences; the conversion is wrong")
+    mtx.conclude(summary | keys, agree)
 
 
 if __name__ == "__main__":
