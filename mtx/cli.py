@@ -485,7 +485,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
                         out.write(run.tgt_tok.decode_batch([h[0].tokens])[0] + "\n")
                     else:
                         for text, hyp in zip(run.tgt_tok.decode_batch([x.tokens for x in h]), h, strict=True):
-                            out.write(f"{i} ||| {text} ||| {hyp.score:.4f}\n")
+                            out.write(f"{i} ||| {text} ||| {score_text(hyp.score)}\n")
                 out.flush()
     return 0
 
@@ -535,6 +535,12 @@ def _hypotheses_name(
     if _precision(args, cfg) != "fp32":
         tags.append(_precision(args, cfg))
     return ".".join([split, *tags, cfg.data.tgt_lang])
+
+
+def score_text(score: float) -> str:
+    """An n-best score with 4 decimals, or 4 significant digits below 1 in size: at large length
+    penalties every score lies near 0, and 4 decimals printed them all as -0.0000 (stop 62)."""
+    return f"{score:.4f}" if score == 0 or abs(score) >= 1 else f"{score:.4g}"
 
 
 def _source_tag(args: argparse.Namespace, name: str, run_data_dir: str = "") -> str:

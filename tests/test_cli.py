@@ -34,6 +34,7 @@ from mtx.cli import (
     build_parser,
     int_in,
     main,
+    score_text,
     usable_cpus,
 )
 from mtx.config import load_config
@@ -96,6 +97,25 @@ def test_train_translate_eval_round_trip(tmp_path: Path, small_data: Path, monke
     r = mtx_here(monkeypatch, "translate", "--run", str(run_dir), "--beam", "3", "--nbest", "2", "Ein Hund.")
     lines = r.stdout.decode().splitlines()
     assert r.returncode == 0 and len(lines) == 2 and all(line.startswith("0 ||| ") for line in lines)
+    # at a length penalty near the largest allowed every score lies near 0: 4 decimals printed
+    # them all as -0.0000 (stop 62)
+    r = mtx_here(
+        monkeypatch,
+        "translate",
+        "--run",
+        str(run_dir),
+        "--beam",
+        "3",
+        "--nbest",
+        "3",
+        "--length-penalty",
+        "9.5",
+        "Ein Hund.",
+    )
+    scores = [float(line.rsplit(" ||| ", 1)[1]) for line in r.stdout.decode().splitlines()]
+    assert (
+        r.returncode == 0 and len(scores) == 3 and all(s < 0 for s in scores) and scores == sorted(scores, reverse=True)
+    )
 
     r = mtx_here(monkeypatch, "eval", "--run", str(run_dir), "--beam", "2", "--lowercase")
     text = r.stdout.decode()
@@ -886,3 +906,13 @@ def test_training_on_a_test_split_and_scoring_the_training_split_are_warned(
         assert "is what the run was trained on (data.train_split 'train')" in r.stderr.decode()
     r = mtx_here(monkeypatch, "eval", "--run", str(tiny_run), "--split", "val", "--output", str(tmp_path / "h.en"))
     assert r.returncode == 0 and "trained on" not in r.stderr.decode()
+
+
+def test_score_text_keeps_four_significant_digits_near_zero() -> None:
+    assert [score_text(x) for x in (0.0, -12.34567, -1.0, -0.123456, -3.21e-7)] == [
+        "0.0000",
+        "-12.3457",
+        "-1.0000",
+        "-0.1235",
+        "-3.21e-07",
+    ]
