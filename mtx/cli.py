@@ -461,6 +461,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if terminal:
         log.info("type a sentence and press Enter to translate it; Ctrl-D ends")
     out = sys.stdout
+    short = 0  # inputs whose n-best list repeats a text: fewer different ones were found
     with _progress_bar("translating", None, show_bar) as bar:
         for before, lines in chunks:  # from standard input: each as soon as it has been read
             hyps = translate_ids(
@@ -484,9 +485,21 @@ def cmd_translate(args: argparse.Namespace) -> int:
                     if args.nbest == 1:
                         out.write(run.tgt_tok.decode_batch([h[0].tokens])[0] + "\n")
                     else:
-                        for text, hyp in zip(run.tgt_tok.decode_batch([x.tokens for x in h]), h, strict=True):
+                        found = run.tgt_tok.decode_batch([x.tokens for x in h])
+                        short += bool(lines[i - before]) and len(set(found)) < args.nbest
+                        for text, hyp in zip(found, h, strict=True):
                             out.write(f"{i} ||| {text} ||| {score_text(hyp.score)}\n")
                 out.flush()
+    if short:
+        # (stop 62: a short length cap, or an output vocabulary of fewer pieces than --nbest, left
+        # fewer different texts than asked, and the lists repeated texts without a word)
+        log.warning(
+            "%d input(s) have fewer than --nbest %d different translations within the length cap "
+            "(decode.max_len_a, decode.max_len_b) and the output vocabulary: their lists repeat a text "
+            "(another segmentation of it) or are shorter",
+            short,
+            args.nbest,
+        )
     return 0
 
 

@@ -916,3 +916,22 @@ def test_score_text_keeps_four_significant_digits_near_zero() -> None:
         "-0.1235",
         "-3.21e-07",
     ]
+
+
+def test_nbest_lists_that_repeat_a_text_are_warned(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where fewer different texts than --nbest exist (a short length cap, a small output
+    vocabulary), the lists repeat a text: said in one warning, counting the non-empty inputs
+    (stop 62; before, without a word)."""
+    import mtx.search
+    from mtx.search import Hypothesis
+
+    def two_segmentations(model, src_ids, *args, nbest: int = 1, **kwargs):  # noqa: ANN001, ANN202
+        return [[Hypothesis([5], -1.0, -1.0), Hypothesis([5], -2.0, -2.0)] if ids else [] for ids in src_ids]
+
+    monkeypatch.setattr(mtx.search, "translate_ids", two_segmentations)
+    r = mtx_here(
+        monkeypatch, "translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "2", stdin=b"Ein Hund.\n\n"
+    )
+    err = r.stderr.decode()
+    assert r.returncode == 0 and len(r.stdout.decode().splitlines()) == 2, err
+    assert "1 input(s) have fewer than --nbest 2 different translations" in err
