@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -242,9 +243,19 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+_SHORT = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxset = 3, 6, 6, 4, 4
+_SHORT.maxstring = _SHORT.maxother = 60
+
+
 def _shown(value: Any) -> str:
     """`repr(value)` for an error line, cut short: YAML reads 0x followed by 4,000 digits as an integer
-    whose repr fails (Python's 4,300-digit limit on int -> str)."""
+    whose repr fails (Python's 4,300-digit limit on int -> str). A list or mapping is shown from its
+    first few items: YAML's aliases make a 400-byte file a list of 10^9 numbers, whose whole repr
+    was built for the message, hanging `mtx train` while its memory grew (stop 62)."""
+    if isinstance(value, (list, tuple, dict, set)):
+        text = _SHORT.repr(value)
+        return text if len(text) <= 60 else f"{text[:57]}..."
     try:
         text = repr(value)
     except ValueError:
@@ -626,6 +637,16 @@ def _scalar(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> Any:
         else:
             problem = f"{shown} is not a valid {kind}"
         raise _ScalarError(None, None, problem, node.start_mark) from None
+    digits = text.lstrip("+-").replace("_", "")
+    if kind == "int" and len(digits) > 1 and digits[0] == "0" and digits[1].isdigit() and value != int(text, 10):
+        # (stop 62: `max_steps: 010` trained 8 steps, `--set train.seed=0042` seeded 34)
+        raise _ScalarError(
+            None,
+            None,
+            f"YAML 1.1 reads {shown} as the octal number {value}; write {int(text, 10)} without the leading zero, "
+            "or quote it if it is text",
+            node.start_mark,
+        )
     if kind in ("int", "float") and ":" in text:
         raise _ScalarError(
             None,

@@ -142,7 +142,11 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("decode:\n  max_len_a: 0.5\n  max_len_b: 0\n", "decode.max_len_a 0.5 and decode.max_len_b 0 leave room"),
         ("data:\n  src_lang: no\n", r'data.src_lang must be a string, got False; .* quote it \(e.g. src_lang: "no"\)'),
         # stop 54: a string key took YAML's reading of unquoted text (data.dir 010 named directory 8)
-        ("data:\n  dir: 010\n", r"data.dir must be a string, got 8: YAML reads some unquoted text as a number"),
+        ("data:\n  dir: 0x10\n", r"data.dir must be a string, got 16: YAML reads some unquoted text as a number"),
+        # stop 62: YAML 1.1's octal numbers: max_steps 010 trained 8 steps without a word
+        ("data:\n  dir: 010\n", r"line 2, column 8: YAML 1.1 reads 010 as the octal number 8; write 10 without"),
+        ("train:\n  max_steps: 0100\n", "YAML 1.1 reads 0100 as the octal number 64; write 100 without the leading"),
+        ("train:\n  adam_betas: [0.9, 0_17]\n", "YAML 1.1 reads 0_17 as the octal number 15; write 17"),
         ("data:\n  valid_split: 2016.10\n", r"data.valid_split must be a string, got 2016.1: .* quote it"),
         ("data:\n  dir: 2024-01-05\n", r"data.dir must be a string, got datetime.date\(2024, 1, 5\): .* quote it"),
         ("train:\n  lr: 0.1 \x1b[0m\n", r"line 2 holds the control character '\\x1b', which YAML does not allow"),
@@ -220,6 +224,7 @@ def test_override_errors() -> None:
         ("train.max_minutes=1:30", "--set train.max_minutes: YAML 1.1 reads 1:30 as the base-60 number 90"),
         ("train.max_minutes='1:30'", "train.max_minutes must be a number, got '1:30'"),
         ("train.dropout_start=0.1", "train.dropout_start is set but train.dropout_warmup is 0; set the updates"),
+        ("train.seed=0042", "--set train.seed: YAML 1.1 reads 0042 as the octal number 34; write 42 without"),
     ],
 )
 def test_bad_override_values_are_one_line_errors(setting: str, pattern: str) -> None:
@@ -235,6 +240,27 @@ def test_an_override_into_a_section_that_is_not_a_mapping(tmp_path: Path, sectio
     path.write_text(f"model:\n  d_model: 64\ntrain: {section}\n")
     with pytest.raises(ConfigError, match=r"--set train.lr=0.1: section train must be a mapping, got "):
         load_config(path, ["train.lr=0.1"])
+
+
+def test_octal_digits_that_read_the_same_and_other_bases_are_taken() -> None:
+    """Only a leading zero that changes the number is refused: 07 is 7 either way, 0800 is no octal
+    number (YAML 1.1 leaves it text, read as 800), and 0x/0b spell their base."""
+    sets = ["train.max_steps=07", "train.eval_every=0800", "train.log_every=0x10", "train.seed=0b11"]
+    t = load_config(None, sets).train
+    assert (t.max_steps, t.eval_every, t.log_every, t.seed) == (7, 800, 16, 3)
+
+
+def test_a_list_of_a_billion_aliased_items_is_refused_at_once(tmp_path: Path) -> None:
+    """A 400-byte file whose aliases nest to 10^9 numbers: the error message built the whole list's
+    repr, and `mtx train` hung while its memory grew (stop 62)."""
+    text = "train:\n  lr: [&l0 [1,1,1,1,1,1,1,1,1,1]"
+    for i in range(1, 9):
+        text += f", &l{i} [{','.join([f'*l{i - 1}'] * 10)}]"
+    path = tmp_path / "bomb.yaml"
+    path.write_text(text + "]\n")
+    with pytest.raises(ConfigError, match=r"train.lr must be a number, got \[\[1, 1, 1, 1, 1, 1, \.\.\.\], \[\[") as e:
+        load_config(path)
+    assert len(str(e.value)) < 200
 
 
 def test_text_with_colons_and_dates_stays_text(tmp_path: Path) -> None:
