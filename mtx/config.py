@@ -366,16 +366,23 @@ def from_dict(raw: Any, where: str = "config") -> Config:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: the top level must be a mapping of sections, got {raw!r}")
+        raise ConfigError(f"{where}: the top level must be a mapping of sections, got {_shown(raw)}")
     sections = _section_types()
     built = {}
     for name, value in raw.items():
         if name not in sections:
+            section, _, key = str(name).partition(".")
+            if section in sections and key in _hints(sections[section]):
+                # (stop 62: "unknown key train.lr (did you mean train.lr?)" for --set's dotted name)
+                raise ConfigError(
+                    f"{where}: {name}: a config file nests each key in its section; write '{section}:' "
+                    f"and under it '  {key}: ...'"
+                )
             raise _unknown(str(name), where)
         if value is None:
             value = {}
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: section {name} must be a mapping, got {value!r}")
+            raise ConfigError(f"{where}: section {name} must be a mapping, got {_shown(value)}")
         cls = sections[name]
         hints = _hints(cls)
         kwargs = {}

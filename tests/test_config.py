@@ -168,6 +168,15 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("data:\n  dir: 12:30\n", "YAML 1.1 reads 12:30 as the base-60 number 750; .* or quote it if it is text"),
         # a dropout_start without a ramp did nothing
         ("train:\n  dropout_start: 0.1\n", "train.dropout_start is set but train.dropout_warmup is 0"),
+        (
+            "train.lr: 0.1\n",
+            r"train.lr: a config file nests each key in its section; write 'train:' and under it '  lr: \.\.\.'$",
+        ),
+        (
+            "train: [&a [1, 2, 3, 4, 5, 6, 7, 8], [*a, *a, *a, *a, *a, *a, *a, *a]]\n",
+            r"section train must be a mapping, got \[\[1, 2, 3, 4, 5, 6, \.\.\.\], \[\[1, 2, 3, 4, 5, 6, \.\.\.\], "
+            r"\[1, 2\.\.\.$",
+        ),
         ("{}\n", "the config is empty"),  # as an empty file: not the defaults' 10,000 steps
         ("data:\n  dir: [a, b]\n", r"data.dir must be a string, got \['a', 'b'\]$"),
         ("train:\n  schedule: {a: 1}\n", r"train.schedule must be a string, got \{'a': 1\}$"),
