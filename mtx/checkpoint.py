@@ -184,6 +184,17 @@ def _refusal_detail(message: str) -> str:
     return "objects other than tensors and plain containers"
 
 
+def _unlike_torch_save(archive: zipfile.ZipFile) -> str | None:
+    """A member whose central-directory entry torch.save never writes: compressed, encrypted, or
+    marked a directory. The CRC check does not cover these fields, and torch's reader takes such
+    an entry differently from Python's: one flipped bit of the directory attribute loaded another
+    tensor's numbers, without a word (stop 62)."""
+    for info in archive.infolist():
+        if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1 or info.external_attr & 0x10:
+            return info.filename
+    return None
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Load with `weights_only=True`: tensors and plain containers only, never code.
 
@@ -195,15 +206,20 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(not_found(path, "checkpoint"))
     try:
         with zipfile.ZipFile(path) as archive:
-            bad_member = archive.testzip()
+            odd_member, bad_member = _unlike_torch_save(archive), archive.testzip()
     except PermissionError as e:  # (stop 54: called corrupted, which could get a good file deleted)
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+    except Exception:  # noqa: BLE001 - whatever a damaged archive raises (stop 62: NotImplementedError, zlib.error)
         raise CheckpointError(
             f"{path}: truncated or corrupted checkpoint (not a complete torch.save archive); refused to load"
         ) from None
     if bad_member is not None:
         raise CheckpointError(f"{path}: corrupted checkpoint ({bad_member} fails its CRC check); refused to load")
+    if odd_member is not None:
+        raise CheckpointError(
+            f"{path}: corrupted checkpoint (the archive's entry for {odd_member} is not as torch.save writes it); "
+            "refused to load"
+        )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -213,7 +229,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             f"{path}: refused to load: it holds {_refusal_detail(str(e))}, which could run code when unpickled; "
             "only use checkpoints written by mtx"
         ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever a damaged archive raises in torch's reader
         raise CheckpointError(f"{path}: truncated or corrupted checkpoint ({e.__class__.__name__})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
         raise CheckpointError(f"{path}: not an mtx checkpoint (no 'model' weights)")
@@ -222,6 +238,11 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     version = obj.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format {version!r} is not supported (expected {FORMAT_VERSION})")
+    for name, weights in obj["model"].items():
+        # (stop 62: beam search ended in an IndexError traceback, greedy printed empty lines, and
+        # init_from trained on, advising a lower rate; mtx's training skips non-finite updates)
+        if weights.is_floating_point() and not bool(torch.isfinite(weights).all()):
+            raise CheckpointError(f"{path}: {name} holds NaN or infinite weights; this model cannot translate")
     return obj
 
 

@@ -762,6 +762,25 @@ def _flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _central_entry_flip(offset: int, mask: int) -> Callable[[Path], None]:
+    """Flip bits of one field of the 11th member's central-directory entry, which the CRC check
+    does not cover: offset 38 (mask 0x10) the directory attribute, 10 the compression method."""
+
+    def flip(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        entry = [m.start() for m in re.finditer(b"PK\x01\x02", data)][10]
+        data[entry + offset] ^= mask
+        path.write_bytes(bytes(data))
+
+    return flip
+
+
+def _nan_weights(path: Path) -> None:
+    ckpt = load_weights_only(path)
+    ckpt["model"]["tgt_embed.tokens.weight"][3, 1] = float("nan")
+    torch.save(ckpt, path)
+
+
 def _other_tokenizer(run: Path, small_data: Path) -> None:
     lines = (small_data / "val.en").read_text(encoding="utf-8").splitlines()
     train_bpe([line[::-1] for line in lines], TokenizerConfig(vocab_size=1000)).save(run / "tokenizer.json")
@@ -1044,6 +1063,24 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         "bit-flipped checkpoint",
         lambda t, d, r: (["translate", "--run", str(_damaged(r, t, _flip_byte)), "x"], None),
         ("last.pt: corrupted checkpoint", "CRC"),
+    ),
+    (
+        "a directory bit flipped in the archive's central directory (another tensor's numbers loaded before stop 62)",
+        lambda t, d, r: (["translate", "--run", str(_damaged(r, t, _central_entry_flip(38, 0x10))), "x"], None),
+        ("last.pt: corrupted checkpoint (the archive's entry for archive/data/", "is not as torch.save writes it"),
+    ),
+    (
+        "a compression-method bit flipped (a NotImplementedError traceback before stop 62)",
+        lambda t, d, r: (["train", "--run-dir", str(_damaged(r, t, _central_entry_flip(10, 0x01))), "--resume"], None),
+        ("last.pt: ",),
+    ),
+    (
+        "NaN weights (beam search's IndexError traceback, greedy's empty lines before stop 62)",
+        lambda t, d, r: (["translate", "--run", str(_damaged(r, t, _nan_weights)), "x"], None),
+        (
+            "last.pt: ",
+            "tokens.weight holds NaN or infinite weights",
+        ),
     ),
     (
         "checkpoint from another vocabulary",
