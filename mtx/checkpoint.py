@@ -379,17 +379,39 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
     return LoadedRun(cfg, ensemble, src_tok, tgt_tok, list(checkpoints))
 
 
-def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
-    """Element-wise mean of the model weights of several checkpoints of one run.
+def run_member_check(run_dir: Path) -> Callable[[dict[str, Any], Path], None]:
+    """The checks `load_run` makes of each checkpoint against the run (direction, vocabulary, model
+    settings), for each member of an average: before stop 62 only the first member's settings
+    were compared, so a step_N.pt of another direction or n_heads was averaged in silently."""
+    cfg = load_run_config(run_dir)
+    src_tok, tgt_tok = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
+    vocab = vocab_fingerprint(src_tok, tgt_tok)
+
+    def check(ckpt: dict[str, Any], path: Path) -> None:
+        check_direction(ckpt, path, cfg)
+        check_same_model(ckpt, path, vocab, cfg.model)
+
+    return check
+
+
+def average_checkpoints(
+    paths: list[Path], check: Callable[[dict[str, Any], Path], None] | None = None
+) -> dict[str, Any]:
+    """Element-wise mean of the model weights of several checkpoints of one run, each first given
+    to `check` (`run_member_check`) where one is passed.
 
     Averaging the last few checkpoints of a run smooths the noise of the final updates and
     usually adds a little BLEU (Vaswani et al. averaged the last 5 or 20)."""
     if not paths:
         raise CheckpointError("no checkpoints to average")
     first = last = load_checkpoint(paths[0])
+    if check is not None:
+        check(first, paths[0])
     sums = {k: v.double().clone() if v.is_floating_point() else v for k, v in first["model"].items()}
     for path in paths[1:]:
         ckpt = last = load_checkpoint(path)
+        if check is not None:
+            check(ckpt, path)
         if ckpt.get("vocab") != first.get("vocab") or ckpt["model"].keys() != sums.keys():
             raise CheckpointError(f"{path}: not from the same run as {paths[0]} (vocabulary or parameters differ)")
         for k, v in ckpt["model"].items():
@@ -437,10 +459,9 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
             f"--out {out}: training writes and reads that file; write the average elsewhere "
             "(the default, or --as-best to make it best.pt while keeping the best single checkpoint)"
         )
-    payload = average_checkpoints(chosen)
+    payload = average_checkpoints(chosen, run_member_check(run_dir))
     cfg = load_run_config(run_dir)
     src_tok, tgt_tok = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
-    check_same_model(payload, chosen[-1], vocab_fingerprint(src_tok, tgt_tok), cfg.model)  # before building it
     model = build_model(cfg, src_tok, tgt_tok, saved_output_ids(payload, chosen[-1], cfg))
     check_shapes(payload, chosen[-1], model)
     atomic_save(payload, out)

@@ -283,6 +283,29 @@ def test_average_refuses_checkpoints_of_another_run(run_copy: Path, tmp_path: Pa
     assert main(["average", "--run", str(tmp_path / "nowhere")]) != 0
 
 
+@pytest.mark.parametrize(
+    "setting, needle", [("n_heads", "model.n_heads=2, the run's config has 4"), ("src_lang", "en->de")]
+)
+def test_average_checks_every_member_against_the_run(
+    run_copy: Path, setting: str, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step_N.pt of another direction or n_heads, older than the run's own, was averaged in
+    without a word, and a newer one was refused naming the run's own file (stop 62)."""
+    steps = step_checkpoints(run_copy)
+    foreign = load_checkpoint(steps[0])
+    if setting == "n_heads":
+        foreign["config"]["model"]["n_heads"] = 2
+    else:
+        foreign["config"]["data"]["src_lang"], foreign["config"]["data"]["tgt_lang"] = "en", "de"
+    path = steps[0].with_name("step_1.pt")
+    torch.save(foreign, path)
+    before = sorted(p.name for p in path.parent.iterdir())
+    assert main(["average", "--run", str(run_copy), "--last", str(len(steps) + 1)]) == 1
+    err = capsys.readouterr().err
+    assert f"mtx: error: {path}: " in err and needle in err, err
+    assert sorted(p.name for p in path.parent.iterdir()) == before
+
+
 def test_plot_writes_a_png(run_copy: Path) -> None:
     out = run_copy / "curves.png"
     assert main(["plot", "--run", str(run_copy)]) == 0
