@@ -27,7 +27,7 @@ from typing import IO, Any
 import torch
 
 from mtx.config import CONFIG_FILE, Config, ModelConfig, load_run_config
-from mtx.errors import CheckpointError, command_line, not_found
+from mtx.errors import CheckpointError, command_line, not_found, shown
 from mtx.model import Ensemble, Seq2Seq
 from mtx.tokenizer import BPE, load_run_tokenizers
 
@@ -237,8 +237,13 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not an mtx checkpoint ('model' holds values other than tensors)")
     version = obj.get("format_version")
     if version != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: checkpoint format {version!r} is not supported (expected {FORMAT_VERSION})")
+        raise CheckpointError(
+            f"{path}: checkpoint format {shown(version)} is not supported (expected {FORMAT_VERSION})"
+        )
     for name, weights in obj["model"].items():
+        if weights.layout != torch.strided or weights.is_meta or weights.is_complex():  # (stop 62: tracebacks)
+            kind = f"{weights.layout} {weights.dtype}".replace("torch.", "") + (" meta" if weights.is_meta else "")
+            raise CheckpointError(f"{path}: not an mtx checkpoint ({name} is a {kind} tensor)")
         # (stop 62: beam search ended in an IndexError traceback, greedy printed empty lines, and
         # init_from trained on, advising a lower rate; mtx's training skips non-finite updates)
         if weights.is_floating_point() and not bool(torch.isfinite(weights).all()):
@@ -269,7 +274,7 @@ def check_same_model(ckpt: dict[str, Any], path: Path, vocab: str, model_cfg: Mo
         old = saved_model[key]
         if (list(old) if isinstance(old, tuple) else old) != (list(value) if isinstance(value, tuple) else value):
             raise CheckpointError(
-                f"{path}: the checkpoint was trained with model.{key}={old!r}, the run's config has {value!r}; "
+                f"{path}: the checkpoint was trained with model.{key}={shown(old)}, the run's config has {value!r}; "
                 "the checkpoint belongs to another run"
             )
 
@@ -281,8 +286,13 @@ def check_compatible(ckpt: dict[str, Any], path: Path, vocab: str, model: Seq2Se
 
 
 def check_shapes(ckpt: dict[str, Any], path: Path, model: Seq2Seq) -> None:
-    """A one-line error when a checkpoint's weights do not fit `model` (names and shapes)."""
+    """A one-line error when a checkpoint's weights do not fit `model` (names, shapes, and numbers
+    of the same kind: stop 62, integer weights were cast to floats without a word)."""
     expected = shape_fingerprint(model)
+    state = model.state_dict()
+    for key, weights in ckpt["model"].items():
+        if key in state and weights.is_floating_point() != state[key].is_floating_point():
+            raise CheckpointError(f"{path}: {key} holds {weights.dtype} numbers, the model {state[key].dtype}")
     got = {k: list(v.shape) for k, v in ckpt["model"].items()}
     if got != expected:
         names = sorted(set(got) ^ set(expected))
@@ -333,6 +343,8 @@ def check_direction(ckpt: dict[str, Any], path: Path, cfg: Config) -> None:
     saved = (data.get("src_lang"), data.get("tgt_lang")) if isinstance(data, dict) else (None, None)
     run = cfg.data.src_lang, cfg.data.tgt_lang
     if None not in saved and saved != run:
+        if not all(isinstance(lang, str) for lang in saved):
+            raise CheckpointError(f"{path}: not an mtx checkpoint (its data.src_lang or data.tgt_lang is no name)")
         raise CheckpointError(
             f"{path}: the checkpoint translates {saved[0]}->{saved[1]}, the run {run[0]}->{run[1]}; "
             "pass a checkpoint of this run"
@@ -428,7 +440,7 @@ def average_checkpoints(
         "model": averaged,
         "config": first["config"],
         "vocab": first["vocab"],
-        "step": int(last.get("step", 0)),  # the newest averaged step
+        "step": last["step"] if type(last.get("step")) is int else 0,  # the newest averaged step
         "averaged_from": [p.name for p in paths],
     }
 

@@ -868,7 +868,8 @@ def cmd_average(args: argparse.Namespace) -> int:
             raise MtxError(f"--out {args.out} is one of the run's own files; give another path for the average")
         _not_a_runs_file(args.out, f"--out {args.out}", "give another path for the average", own_run=args.run)
     out, chosen = average_run(args.run, args.last, args.out, args.as_best)
-    print(f"averaged {len(chosen)} checkpoints ({', '.join(p.name for p in chosen)}) into {out}")
+    what = "1 checkpoint (a copy of its weights)" if len(chosen) == 1 else f"{len(chosen)} checkpoints"
+    print(f"averaged {what} ({', '.join(p.name for p in chosen)}) into {out}")
     if len(chosen) < args.last:
         print(
             f"note: --last {args.last} asked for more step checkpoints than the run has ({len(chosen)}: one a "

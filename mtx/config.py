@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 import yaml
 
 from mtx.errors import CheckpointError, ConfigError, not_found
+from mtx.errors import shown as _shown
 
 
 @dataclass(frozen=True)
@@ -241,26 +241,6 @@ _UNIT_INTERVAL = {
 
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
-
-
-_SHORT = reprlib.Repr()  # (keyword arguments only from Python 3.12)
-_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxset = 3, 6, 6, 4, 4
-_SHORT.maxstring = _SHORT.maxother = 60
-
-
-def _shown(value: Any) -> str:
-    """`repr(value)` for an error line, cut short: YAML reads 0x followed by 4,000 digits as an integer
-    whose repr fails (Python's 4,300-digit limit on int -> str). A list or mapping is shown from its
-    first few items: YAML's aliases make a 400-byte file a list of 10^9 numbers, whose whole repr
-    was built for the message, hanging `mtx train` while its memory grew (stop 62)."""
-    if isinstance(value, (list, tuple, dict, set)):
-        text = _SHORT.repr(value)
-        return text if len(text) <= 60 else f"{text[:57]}..."
-    try:
-        text = repr(value)
-    except ValueError:
-        return f"an integer of {value.bit_length():,} bits"
-    return text if len(text) <= 60 else f"{text[:40]}...{text[-10:]} ({len(text):,} characters)"
 
 
 def _convert(value: Any, hint: Any, key: str, where: str) -> Any:

@@ -4,10 +4,32 @@ from __future__ import annotations
 
 import contextlib
 import os
+import reprlib
 import shlex
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
+
+_SHORT = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxdict, _SHORT.maxset = 3, 6, 6, 4, 4
+_SHORT.maxstring = _SHORT.maxother = 60
+
+
+def shown(value: Any) -> str:
+    """`repr(value)` for an error line, cut short: YAML reads 0x followed by 4,000 digits as an integer
+    whose repr fails (Python's 4,300-digit limit on int -> str). A list or mapping is shown from its
+    first few items: YAML's aliases make a 400-byte file a list of 10^9 numbers, whose whole repr
+    was built for the message, hanging `mtx train` while its memory grew; a checkpoint's
+    shared references do the same (stop 62)."""
+    if isinstance(value, (list, tuple, dict, set)):
+        text = _SHORT.repr(value)
+        return text if len(text) <= 60 else f"{text[:57]}..."
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"an integer of {value.bit_length():,} bits"
+    return text if len(text) <= 60 else f"{text[:40]}...{text[-10:]} ({len(text):,} characters)"
 
 
 class MtxError(Exception):

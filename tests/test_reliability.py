@@ -775,10 +775,38 @@ def _central_entry_flip(offset: int, mask: int) -> Callable[[Path], None]:
     return flip
 
 
-def _nan_weights(path: Path) -> None:
-    ckpt = load_weights_only(path)
+def _edited(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    """A checkpoint rewritten by torch.save after `edit` of its contents (a crafted file)."""
+
+    def rewrite(path: Path) -> None:
+        ckpt = load_weights_only(path)
+        edit(ckpt)
+        torch.save(ckpt, path)
+
+    return rewrite
+
+
+def _doubling_list(depth: int) -> list:
+    """[x, x] nested `depth` deep: a few hundred bytes in a pickle, 2**depth leaves when printed."""
+    value: list = [0]
+    for _ in range(depth):
+        value = [value, value]
+    return value
+
+
+def _nan_weights(ckpt: dict) -> None:
     ckpt["model"]["tgt_embed.tokens.weight"][3, 1] = float("nan")
-    torch.save(ckpt, path)
+
+
+def _bomb_n_heads(ckpt: dict) -> None:
+    ckpt["config"]["model"]["n_heads"] = _doubling_list(40)
+
+
+def _weights_as(make: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict], None]:
+    def edit(ckpt: dict) -> None:
+        ckpt["model"]["decoder_norm.weight"] = make(ckpt["model"]["decoder_norm.weight"])
+
+    return edit
 
 
 def _other_tokenizer(run: Path, small_data: Path) -> None:
@@ -1076,12 +1104,30 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
     ),
     (
         "NaN weights (beam search's IndexError traceback, greedy's empty lines before stop 62)",
-        lambda t, d, r: (["translate", "--run", str(_damaged(r, t, _nan_weights)), "x"], None),
-        (
-            "last.pt: ",
-            "tokens.weight holds NaN or infinite weights",
-        ),
+        lambda t, d, r: (["translate", "--run", str(_damaged(r, t, _edited(_nan_weights))), "x"], None),
+        ("last.pt: ", "tokens.weight holds NaN or infinite weights"),
     ),
+    (
+        "a checkpoint's n_heads a list of 2**40 shared items (its error message hung, growing, before stop 62)",
+        lambda t, d, r: (["translate", "--run", str(_damaged(r, t, _edited(_bomb_n_heads))), "x"], None),
+        ("last.pt: the checkpoint was trained with model.n_heads=[[[[...], [...]], [[...], [...]]], [[[",),
+    ),
+    *[
+        (
+            f"{kind} weights (a traceback or a silent cast before stop 62)",
+            lambda t, d, r, make=make: (
+                ["translate", "--run", str(_damaged(r, t, _edited(_weights_as(make)))), "x"],
+                None,
+            ),
+            ("last.pt: ", needle),
+        )
+        for kind, make, needle in [
+            ("sparse", torch.Tensor.to_sparse, "not an mtx checkpoint (decoder_norm.weight is a sparse_coo float32"),
+            ("meta", lambda w: w.to("meta"), "not an mtx checkpoint (decoder_norm.weight is a strided float32 meta"),
+            ("complex", lambda w: w.to(torch.complex64), "decoder_norm.weight is a strided complex64 tensor"),
+            ("integer", lambda w: w.long(), "decoder_norm.weight holds torch.int64 numbers, the model torch.float32"),
+        ]
+    ],
     (
         "checkpoint from another vocabulary",
         lambda t, d, r: (["translate", "--run", str(_other_vocab(r, t, d)), "x"], None),
