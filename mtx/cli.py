@@ -513,6 +513,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         _check_parents("--out", args.out)
         if args.out.exists() and not args.out.is_dir():
             raise MtxError(f"--out {args.out} is a file; give a new directory for the exported model")
+        # (stop 62: a directory named like a future step_N.pt stopped training at that step)
+        _not_a_runs_file(args.out, f"--out {args.out}", "give a new directory for the exported model")
     run = load_run(args.run, args.checkpoint)
     out = args.out or args.run / f"ctranslate2-{args.quantization}"
     export_ctranslate2(run, out, args.quantization)

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from mtx import __version__
 from mtx.checkpoint import LoadedRun, left_by_dead_process
 from mtx.config import QUANTIZATIONS
-from mtx.errors import MtxError
+from mtx.errors import MtxError, named_os_errors
 from mtx.model import Ensemble, ScaleNorm, Seq2Seq
+from mtx.plot import parent_directories
 from mtx.tokenizer import BPE
 
 # the logit bias of target pieces a `model.restrict_output` softmax leaves out: exp(-65000) is 0 in
@@ -141,19 +142,31 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
         raise MtxError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if isinstance(run.model, Ensemble):
         raise MtxError("export takes one checkpoint; average several first (mtx average) and export the average")
+    if out_dir.is_symlink():  # (stop 62: refused after the conversion, naming the staging directory)
+        raise MtxError(f"{out_dir} is a symbolic link (to {os.readlink(out_dir)}); give the directory itself as --out")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise MtxError(f"{out_dir} already exists and is not empty; pick a new --out (nothing is overwritten)")
+    if out_dir.exists() and out_dir.samefile(Path.cwd()):  # (stop 62: "Invalid argument" after the conversion)
+        raise MtxError(f"{out_dir} is the working directory; give a new directory as --out")
     try:
         import ctranslate2  # noqa: F401
     except ImportError:
         raise MtxError("mtx export needs CTranslate2: pip install ctranslate2 (or pip install 'mtx[export]')") from None
     spec = ctranslate2_spec(run.model, run.src_tok, run.tgt_tok)
     spec.optimize(quantization=quantization)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_exports(out_dir.parent)
-    staging = out_dir.parent / f".{out_dir.name}.{_staging_tag()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    # a failed export leaves neither the directories it made nor its staging directory, and its
+    # error names --out (stop 62: a full disk was "File too large" alone, the parents were left)
+    with parent_directories(out_dir), named_os_errors(str(out_dir)):
+        _remove_dead_exports(out_dir.parent)
+        staging = out_dir.parent / f".{out_dir.name}.{_staging_tag()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        _write_model(run, spec, staging, out_dir, quantization)
+    return out_dir
+
+
+def _write_model(run: LoadedRun, spec: Any, staging: Path, out_dir: Path, quantization: str) -> None:
+    """The model directory, written in `staging` and then renamed to `out_dir`."""
     try:
         spec.save(str(staging))
         # written by Python: `tokenizers`' save takes a UTF-8 path only (an --out named in other bytes)
@@ -181,4 +194,3 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return out_dir

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -172,3 +173,53 @@ def test_export_command_and_its_refusals(tiny_run: Path, tmp_path: Path, monkeyp
         export_ctranslate2(load_run(tiny_run), tmp_path / "none")
     assert not (tmp_path / "ensemble").exists() and not (tmp_path / "none").exists()
     assert not list(tmp_path.glob(".*partial*"))  # no staging directory left behind
+
+
+def test_export_refuses_links_the_working_directory_and_a_runs_names_before_converting(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each was refused after the conversion, naming the hidden staging directory or saying
+    "Not a directory" / "Invalid argument"; a directory named like a future step_N.pt stopped
+    the run's training at that step (stop 62)."""
+    import mtx.export
+
+    def no_conversion(*args: object) -> None:
+        raise AssertionError("converted before refusing")
+
+    monkeypatch.setattr(mtx.export, "ctranslate2_spec", no_conversion)
+    (tmp_path / "dangle").symlink_to(tmp_path / "nothere")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "to_empty").symlink_to("empty")
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    for out, needle in [
+        ("dangle", "dangle is a symbolic link (to "),
+        ("to_empty", "to_empty is a symbolic link (to empty); give the directory itself as --out"),
+        ("run/checkpoints/step_999.pt", "is one of the files of the run"),
+    ]:
+        r = mtx_here(monkeypatch, "export", "--run", str(run), "--out", str(tmp_path / out))
+        assert_one_line_error(r, needle)
+    monkeypatch.chdir(tmp_path / "empty")
+    with pytest.raises(MtxError, match=r"^\. is the working directory; give a new directory as --out$"):
+        export_ctranslate2(load_run(run), Path("."))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangle", "empty", "run", "to_empty"]
+    assert not list((tmp_path / "empty").iterdir())
+
+
+def test_a_failed_export_names_its_directory_and_leaves_none(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk was "mtx: error: File too large" with no path, and the directories made for
+    --out were left (stop 62)."""
+    from ctranslate2.specs.model_spec import ModelSpec
+
+    def full_disk(self: object, path: str) -> None:
+        Path(path, "model.bin").write_bytes(b"x" * 100)
+        raise OSError(28, "No space left on device")  # as CTranslate2 raises it: no file name
+
+    monkeypatch.setattr(ModelSpec, "save", full_disk)
+    out = tmp_path / "new1" / "new2" / "model"
+    assert_one_line_error(
+        mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--out", str(out)), f"{out}: ", "No space left"
+    )
+    assert not list(tmp_path.iterdir())
