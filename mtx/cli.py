@@ -22,7 +22,15 @@ from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from mtx import __version__
 from mtx.config import AT_MOST, MAX_LENGTH_PENALTY, QUANTIZATIONS, STOPS, name_problem
-from mtx.errors import STOP_SIGNALS, MtxError, Terminated, named_os_errors, not_found, os_error_line
+from mtx.errors import (
+    STOP_SIGNALS,
+    MtxError,
+    Terminated,
+    named_os_errors,
+    not_found,
+    os_error_line,
+    take_signals,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -987,7 +995,7 @@ def _stop_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield
         return
-    old = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    old = take_signals(stop, STOP_SIGNALS)
     try:
         yield
     finally:

@@ -67,6 +67,13 @@ class Interrupted(MtxError):
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
+def take_signals(handler: Callable[[int, Any], None], signals: tuple[int, ...]) -> dict[int, Any]:
+    """`handler` for each of `signals` that this process does not ignore, and their old handlers. An
+    ignored one stays ignored: `nohup` ignores SIGHUP and a shell's background job SIGINT (stop 62:
+    `nohup mtx train ... &` saved and stopped when its terminal closed)."""
+    return {sig: signal.signal(sig, handler) for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN}
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM or SIGHUP outside training's own handling: it unwinds as Ctrl-C does (what a
     failed command made is removed again), then `mtx: stopped by SIGNAL`, exit code 128 + signal."""

@@ -61,6 +61,7 @@ from mtx.errors import (
     MtxError,
     command_line,
     named_os_errors,
+    take_signals,
 )
 from mtx.evaluate import corpus_scores
 from mtx.model import Dropout, Seq2Seq, make_src_mask
@@ -689,8 +690,7 @@ class StopRequest:
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            for sig in (signal.SIGINT, *STOP_SIGNALS):
-                self._old[sig] = signal.signal(sig, self._handle)
+            self._old = take_signals(self._handle, (signal.SIGINT, *STOP_SIGNALS))
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:

@@ -74,12 +74,23 @@ def train_lines(run_dir: Path) -> int:
     return sum(1 for line in path.read_text().split("\n")[:-1] if '"event": "train"' in line)
 
 
-def start(stderr: Path, *args: str) -> subprocess.Popen[bytes]:
-    """`python -m mtx ARGS` in the background, stderr to a file (a full pipe would stall it)."""
+def start(stderr: Path, *args: str, ignored: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    """`python -m mtx ARGS` in the background, stderr to a file (a full pipe would stall it), with
+    the `ignored` signals ignored as `nohup` and a shell's background jobs start it."""
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
+
+    def ignore() -> None:
+        for sig in ignored:
+            signal.signal(sig, signal.SIG_IGN)
+
     with open(stderr, "ab") as err:
         return subprocess.Popen(
-            [sys.executable, "-m", "mtx", *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err
+            [sys.executable, "-m", "mtx", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            preexec_fn=ignore,  # noqa: PLW1509 - no threads are started before the fork here
         )
 
 
@@ -571,6 +582,21 @@ def test_stop_signal_saves_and_tells_how_to_resume(tmp_path: Path, mini_data: Pa
     )
     assert main(["train", "--run-dir", str(run_dir), "--resume", "--set", f"train.max_steps={step + 3}"]) == 0
     assert load_weights_only(run_dir / "checkpoints" / "last.pt")["step"] == step + 3
+
+
+def test_signals_ignored_at_start_stay_ignored(tmp_path: Path, mini_data: Path) -> None:
+    """`nohup mtx train ... &` saved and stopped when its terminal closed (SIGHUP), and a shell
+    script's background job on Ctrl-C (SIGINT): mtx took over the signals those ignore (stop 62)."""
+    run_dir = tmp_path / "run"
+    args = mini_args(mini_data, run_dir, "--set", "train.max_steps=40", "--set", "train.eval_every=1000")
+    proc = start(tmp_path / "stderr", *args, ignored=(signal.SIGHUP, signal.SIGINT))
+    wait_for(lambda: train_lines(run_dir) >= 2, proc)
+    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=300)
+    err_text = (tmp_path / "stderr").read_text()
+    assert proc.returncode == 0 and "received" not in err_text, err_text
+    assert load_weights_only(run_dir / "checkpoints" / "last.pt")["step"] == 40
 
 
 def test_a_stop_signal_in_the_last_validation_lets_the_run_end_complete(
