@@ -590,7 +590,10 @@ class TrainState:
     world_size: int = 1  # ranks that `batch` counts for
     best_bleu: float = -1.0
     best_step: int = 0
-    evals_without_gain: int = 0
+    evals_without_gain: int = 0  # validations on the train.eval_every cadence since patience_best_bleu rose
+    # the best val BLEU of those validations: patience counts them alone, so a run ending between
+    # them (max_steps, max_minutes, a signal) and resumed decides as a straight run (stop 62)
+    patience_best_bleu: float = -1.0
     skipped_steps: int = 0
     bad_steps_in_row: int = 0
     elapsed: float = 0.0  # training seconds over all sessions
@@ -1019,6 +1022,8 @@ class Trainer:
             self.state = TrainState(**ckpt["state"])
             if "validated_step" not in ckpt["state"]:  # saved before stop 54: taken as validated
                 self.state.validated_step = self.state.step
+            if "patience_best_bleu" not in ckpt["state"]:  # saved before stop 62
+                self.state.patience_best_bleu = self.state.best_bleu
             if "epoch_ids" in ckpt and self.cfg.tokenizer.bpe_dropout:
                 saved = dict(ckpt["epoch_ids"])
                 self.epoch_ids = (int(saved.pop("epoch")), ParallelIds.from_tensors(saved))
@@ -1126,14 +1131,19 @@ class Trainer:
             ckpt_io.atomic_save(
                 {**payload, "model": self.ema.model_state(), "ema_decay": self.ema.decay}, ckpts / "ema.pt"
             )
-        if bleu > self.state.best_bleu:
-            self.state.best_bleu, self.state.best_step = bleu, self.state.step
-            self.state.evals_without_gain = 0
+        st = self.state
+        if bleu > st.best_bleu:
+            st.best_bleu, st.best_step = bleu, st.step
             kept = ckpt_io.save_new_best(self.run_dir, payload)
             if kept is not None:
                 log.info("best.pt held an average chosen after training; it is kept as %s", kept)
-        else:
-            self.state.evals_without_gain += 1
+        # (stop 62: a run's last validation between two of the cadence counted toward patience, so a
+        # run trained in two parts stopped where a straight run of the same config trained on)
+        if st.step % self.cfg.train.eval_every == 0:
+            if bleu > st.patience_best_bleu:
+                st.patience_best_bleu, st.evals_without_gain = bleu, 0
+            else:
+                st.evals_without_gain += 1
 
     # -- one update ------------------------------------------------------------------------
     def _micro_batches(self) -> Iterator[list[Batch]]:

@@ -513,6 +513,22 @@ def test_patience_stops_when_val_bleu_stops_improving(tmp_path: Path, small_data
     assert_resume_trains_nothing(run, "train.patience=1")
 
 
+def test_patience_decides_as_a_straight_run_when_the_run_is_trained_in_parts(tmp_path: Path, small_data: Path) -> None:
+    """The validation a run makes where it ends between two of the cadence counted toward patience:
+    a run trained to step 3 and resumed to 1000 said it had ended on patience at step 3, and
+    refused to train on, where the straight run of test_patience_... stops at 4 (stop 62)."""
+    run = tmp_path / "parts"
+    extra = ["--set", "train.eval_every=2", "--set", "train.patience=1", "--set", "train.lr=1e-12"]
+    assert (
+        main(tiny_args(small_data, run, *extra, "--set", "train.max_steps=3", "--set", "train.eval_sentences=20")) == 0
+    )
+    assert "done: reached train.max_steps=3, at step 3" in (run / "train.log").read_text()
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=1000"]) == 0
+    assert "no val BLEU gain in 1 evaluations (train.patience), at step 4" in (run / "train.log").read_text()
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "valid"] == [2, 3, 4]
+
+
 def test_init_from_starts_a_new_run_from_another_runs_weights_and_tokenizer(
     tmp_path: Path, small_data: Path, tiny_run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
