@@ -1509,7 +1509,7 @@ class Trainer:
                 if signum is not None:
                     st.window_seconds += time.perf_counter() - window_start
                     self.save()
-                    again = command_line("mtx", "train", "--run-dir", self.run_dir, "--resume")
+                    again = self._resume_command()
                     raise Interrupted(
                         f"training stopped by {signal.Signals(signum).name} at step {st.step}; "
                         f"checkpoint saved. Resume with: {again}",
@@ -1630,6 +1630,18 @@ class Trainer:
         if not budget or (self.ranks.world_size > 1 and self.state.step % self.cfg.train.log_every):
             return False
         return self._from_main(self.state.elapsed >= 60 * budget)
+
+    def _resume_command(self) -> str:
+        """The command that continues this run as it was started: under torchrun, torchrun with as
+        many processes, since `train.batch_tokens` counts per process (stop 62: the plain command
+        printed for a torchrun job went on in one process, each update with half the tokens)."""
+        resume = ("train", "--run-dir", self.run_dir, "--resume")
+        world = self.ranks.world_size
+        if world == 1:
+            return command_line("mtx", *resume)
+        if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:  # one machine
+            return command_line("torchrun", "--standalone", "--nproc_per_node", world, "-m", "mtx", *resume)
+        return f"torchrun as this job was started ({world} processes) -m mtx {command_line(*resume)}"
 
     def _evaluate(self, metrics: Any) -> bool:
         """Validate, log, save step/best/last checkpoints; True when patience ran out.

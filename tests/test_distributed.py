@@ -356,5 +356,7 @@ def test_ctrl_c_to_torchrun_saves_once_and_rank_0_alone_reports(tmp_path: Path, 
     step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
     assert step >= 2, text[-3000:]
     assert text.count("received SIGINT: saving a checkpoint") == 1, text[-3000:]
-    assert text.count(f"mtx: training stopped by SIGINT at step {step}; checkpoint saved") == 1, text[-3000:]
+    # the command continues the run in as many processes (stop 62: the plain one, in a single process)
+    again = f"Resume with: torchrun --standalone --nproc_per_node 2 -m mtx train --run-dir {run_dir} --resume"
+    assert text.count(f"mtx: training stopped by SIGINT at step {step}; checkpoint saved. {again}\n") == 1, text[-3000:]
     assert "mtx: interrupted" not in text
