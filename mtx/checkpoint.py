@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import logging
 import os
 import pickle
 import re
@@ -209,6 +210,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             odd_member, bad_member = _unlike_torch_save(archive), archive.testzip()
     except PermissionError as e:  # (stop 54: called corrupted, which could get a good file deleted)
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    except FileNotFoundError:  # (stop 62: "truncated or corrupted" of a file a training had just removed)
+        raise CheckpointError(f"{path}: removed as mtx began to read it (a training's train.keep_last?)") from None
     except Exception:  # noqa: BLE001 - whatever a damaged archive raises (stop 62: NotImplementedError, zlib.error)
         raise CheckpointError(
             f"{path}: truncated or corrupted checkpoint (not a complete torch.save archive); refused to load"
@@ -229,6 +232,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             f"{path}: refused to load: it holds {_refusal_detail(str(e))}, which could run code when unpickled; "
             "only use checkpoints written by mtx"
         ) from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: removed as mtx began to read it (a training's train.keep_last?)") from None
     except Exception as e:  # noqa: BLE001 - whatever a damaged archive raises in torch's reader
         raise CheckpointError(f"{path}: truncated or corrupted checkpoint ({e.__class__.__name__})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
@@ -367,12 +372,21 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
     if not checkpoints:
         default = default_checkpoint(run_dir)
         if default is None:
+            # (stop 62: "train it first" while a training was setting it up, which refused that command)
+            with run_dir_lock(run_dir, "its first checkpoint is saved once it has set up; try again then"):
+                pass
             start = command_line("mtx", "train", "--config", run_dir / CONFIG_FILE, "--run-dir", run_dir)
             raise CheckpointError(f"{run_dir}: no checkpoints yet; train it first: {start}")
         checkpoints = [default]
     members = []
     for path in checkpoints:
         ckpt = load_checkpoint(path)
+        if ckpt.get("step") == 0 and path.name == "last.pt":  # (stop 62: step 0's weights, without a word)
+            logging.getLogger("mtx").warning(
+                "%s is from step 0: the run has not trained yet (its weights are the ones it starts from, "
+                "random or train.init_from's); its next checkpoint comes at its first validation",
+                path,
+            )
         check_direction(ckpt, path, cfg)
         check_same_model(ckpt, path, vocab_fingerprint(src_tok, tgt_tok), cfg.model)  # before building it
         member = build_model(cfg, src_tok, tgt_tok, saved_output_ids(ckpt, path, cfg))

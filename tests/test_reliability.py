@@ -25,7 +25,14 @@ import pytest
 import torch
 
 from mtx import train as train_module
-from mtx.checkpoint import FORMAT_VERSION, check_direction, load_checkpoint, load_run, load_run_config
+from mtx.checkpoint import (
+    FORMAT_VERSION,
+    check_direction,
+    load_checkpoint,
+    load_run,
+    load_run_config,
+    run_dir_lock,
+)
 from mtx.cli import main
 from mtx.config import TokenizerConfig, load_config
 from mtx.data import ParallelIds, read_lines
@@ -1482,6 +1489,9 @@ def test_commands_to_copy_quote_their_paths(
     with pytest.raises(MtxError, match="no checkpoints yet; train it first: ") as refused:
         load_run(run)
     assert shlex.split(str(refused.value).split("train it first: ")[1]) == [*config, str(run)]
+    # while a training holds the run (setting up: no checkpoint yet), that command would be refused
+    with run_dir_lock(run), pytest.raises(MtxError, match="an mtx train is using this run directory; its first"):
+        load_run(run)
     (run / "metrics.jsonl").unlink()
     assert main(["train", "--run-dir", str(run), "--resume"]) == 1
     assert pasted("start it again with: ") == [*config, str(run)]
@@ -1677,3 +1687,17 @@ def test_documented_non_errors(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) 
     assert r.returncode == 0 and "mtx: error" not in err, err
     assert len(out) == 4 and out[0] and out[1] == "" and out[2] and out[3] == ""
     assert "1 input sentence(s) longer than 159 tokens were truncated (model.max_positions)" in err
+
+
+def test_translating_with_a_step_0_checkpoint_is_warned(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Until its first validation a run has only the last.pt saved as it starts: translate and eval
+    used those untrained weights without a word (stop 62)."""
+    run = copy_run(tiny_run, tmp_path / "run")
+    (run / "checkpoints" / "best.pt").unlink(missing_ok=True)
+    last = load_weights_only(run / "checkpoints" / "last.pt")
+    torch.save({**last, "step": 0}, run / "checkpoints" / "last.pt")
+    capsys.readouterr()
+    assert main(["translate", "--run", str(run), "Ein Hund."]) == 0
+    assert "last.pt is from step 0: the run has not trained yet" in capsys.readouterr().err
