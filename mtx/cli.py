@@ -196,6 +196,8 @@ def path_arg(text: str) -> Path:
     """A path option's value, with a leading ~ or ~user expanded as in `data.dir`: the shell
     leaves it after `--run-dir=` or in quotes (stop 61: a directory named `~` was made in the
     working directory, and `--run=~/runs/x` was "not found")."""
+    if not text:  # (stop 62: Path("") is ".": --data-dir "" scored the working directory's files)
+        raise argparse.ArgumentTypeError("a path must not be empty")
     try:
         return Path(text).expanduser()
     except RuntimeError:  # no such user
@@ -725,15 +727,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     # the data and the other systems' outputs are checked before the model is loaded
     if args.src is not None:
-        src, ref = read_parallel(args.src, args.ref)
+        # a blank segment translates to an empty line, as in translate (stop 62: refused, and
+        # removing it made the hypotheses one line short of other systems' for --paired)
+        src, ref = read_parallel(args.src, args.ref, allow_empty=True)
         name = args.src.name.removesuffix(".gz")
         split_files: tuple[Path | None, Path | None] = (None, None)
     else:
         data_dir = args.data_dir or Path(cfg.data.dir)
         if not data_dir.is_dir():
-            raise MtxError(f"data directory {data_dir} not found; pass --data-dir DIR or --src/--ref files")
+            raise MtxError(f"{not_found(data_dir, 'data directory')}; pass --data-dir DIR or --src/--ref files")
         split_files = eval_split_files(data_dir, args.split, cfg.data.src_lang, cfg.data.tgt_lang)
-        src, ref = read_parallel(*split_files)
+        src, ref = read_parallel(*split_files, allow_empty=True)
         name = args.split
     warn_unless_nfc(ref, str(args.ref or split_files[1]))
     data = cfg.data

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+import re
 import select
 import unicodedata
 import zlib
@@ -101,6 +102,14 @@ def available_splits(data_dir: Path, src_lang: str, tgt_lang: str) -> list[str]:
     return out
 
 
+_OTHER_COMPRESSIONS = [
+    (re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)"), "bzip2-compressed", "bunzip2 -k"),  # a block or the end
+    (re.compile(rb"\xfd7zXZ\x00"), "xz-compressed", "unxz -k"),
+    (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd-compressed", "unzstd"),
+    (re.compile(rb"PK\x03\x04"), "a zip archive's", "unzip"),
+]
+
+
 def read_lines(path: str | Path, allow_empty: bool = False) -> list[str]:
     """Read a UTF-8 text file (optionally .gz), one stripped sentence per line."""
     path = Path(path)
@@ -109,6 +118,9 @@ def read_lines(path: str | Path, allow_empty: bool = False) -> list[str]:
             raw = f.read()
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
+        for magic, kind, tool in _OTHER_COMPRESSIONS:  # (stop 62: "not valid UTF-8; re-encode the file")
+            if magic.match(raw):
+                raise DataError(f"{path}: {kind} data; mtx reads plain or gzip files, so decompress it ({tool})")
     except FileNotFoundError:
         raise DataError(not_found(path, "file")) from None
     except (OSError, EOFError, zlib.error) as e:  # zlib.error: damaged compressed data behind a good header
@@ -243,16 +255,17 @@ def stream_lines(stream: BinaryIO, chunk: int, source: str, what: str) -> Iterat
         yield before, lines
 
 
-def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]:
-    """Two aligned files -> (source lines, target lines), checked for equal length."""
-    src, tgt = read_lines(src_path), read_lines(tgt_path)
+def read_parallel(src_path: Path, tgt_path: Path, allow_empty: bool = False) -> tuple[list[str], list[str]]:
+    """Two aligned files -> (source lines, target lines), checked for equal length; empty lines
+    only with `allow_empty` (a test set scored by `mtx eval`)."""
+    src, tgt = read_lines(src_path, allow_empty), read_lines(tgt_path, allow_empty)
     if len(src) != len(tgt):
         raise DataError(
             f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; "
             "parallel files must have the same number of lines"
         )
     if not src:
-        raise DataError(f"{src_path}: the split is empty")
+        raise DataError(f"{src_path}: the file is empty")
     return src, tgt
 
 

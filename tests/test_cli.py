@@ -769,6 +769,32 @@ def test_eval_refuses_an_empty_split_and_a_write_protected_output(
     _check_output(kept, {})  # writable: replaced as before
 
 
+def test_eval_scores_blank_segments_and_refuses_empty_paths(
+    tiny_run: Path, tmp_path: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A test set's blank segment was refused ("remove empty lines"), and removing it made the
+    hypotheses one line short of other systems' for --paired; a path option given "" was "." (eval
+    --data-dir "" scored the working directory's files) (stop 62)."""
+    src = (small_data / "val.de").read_text(encoding="utf-8").splitlines()[:4]
+    ref = (small_data / "val.en").read_text(encoding="utf-8").splitlines()[:4]
+    src[1] = ref[1] = ""
+    (tmp_path / "s.de").write_text("\n".join(src) + "\n", encoding="utf-8")
+    (tmp_path / "r.en").write_text("\n".join(ref) + "\n", encoding="utf-8")
+    out = tmp_path / "h.en"
+    args = ["eval", "--run", str(tiny_run), "--src", str(tmp_path / "s.de"), "--ref", str(tmp_path / "r.en")]
+    r = mtx_here(monkeypatch, *args, "--beam", "1", "--output", str(out))
+    assert r.returncode == 0, r.stderr.decode()
+    hyps = out.read_text(encoding="utf-8").split("\n")
+    assert len(hyps) == 5 and hyps[1] == "" and all(hyps[i] for i in (0, 2, 3))
+    for option in ("--data-dir", "--checkpoint", "--output"):
+        bad = mtx_here(monkeypatch, "eval", "--run", str(tiny_run), option, "")
+        assert bad.returncode == 2 and f"argument {option}: a path must not be empty".encode() in bad.stderr
+    assert_one_line_error(
+        mtx_here(monkeypatch, "eval", "--run", str(tiny_run), "--data-dir", str(tmp_path / "s.de")),
+        "s.de: not a data directory (a file); pass --data-dir DIR",
+    )
+
+
 def test_outputs_through_links_and_in_checkpoints_are_checked_before_the_work(
     tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -370,3 +370,20 @@ def test_lines_of_other_invisible_format_characters_are_empty() -> None:
         "Der Hund.\u200e",
         "\u200fa",
     ]
+
+
+def test_files_compressed_otherwise_than_gzip_are_named_so(tmp_path: Path) -> None:
+    """bzip2 data behind a .gz name was "not valid UTF-8; re-encode it" (stop 62); text that
+    merely starts as a bzip2 header does is text."""
+    import bz2
+    import lzma
+
+    for name, data, kind in [
+        ("a.de.gz", bz2.compress(b"Ein Hund.\n"), "bzip2-compressed"),
+        ("b.de", lzma.compress(b"Ein Hund.\n"), "xz-compressed"),
+    ]:
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DataError, match=rf"{name}: {kind} data; mtx reads plain or gzip files, so decompress it"):
+            read_lines(tmp_path / name)
+    (tmp_path / "c.de").write_text("BZh9 is a word\n")
+    assert read_lines(tmp_path / "c.de") == ["BZh9 is a word"]
