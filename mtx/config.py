@@ -252,7 +252,7 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
             raise bad
         args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis:  # tuple[T, ...]: any length
-            return tuple(_convert(v, args[0], key, where) for v in value)
+            return tuple(_convert(v, args[0], f"each item of {key}", where) for v in value)
         if len(value) != len(args):
             raise bad
         return tuple(_convert(v, a, key, where) for v, a in zip(value, args, strict=True))
@@ -299,15 +299,22 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
         if isinstance(value, bool):  # YAML 1.1 reads no, yes, on, off, n, y as booleans
             raise ConfigError(
                 f"{where}: {key} must be a string, got {value!r}; YAML reads an unquoted no/yes/on/off as "
-                f'true or false, so quote it (e.g. {key.rpartition(".")[2]}: "no")'
+                f"true or false, so quote it (e.g. {_quoted_example(key, 'no')})"
             )
         # YAML's reading of unquoted text: 010 is 8, 1_000 is 1000, 2016.10 is 2016.1, 2024-01-05 a
         # date, ~ nothing (stop 54: the number's text was taken, data.dir 010 naming directory 8)
         raise ConfigError(
             f"{where}: {key} must be a string, got {_shown(value)}: YAML reads some unquoted text as a number, "
-            f'a date or null; quote it as you mean it (e.g. {key.rpartition(".")[2]}: "...")'
+            f"a date or null; quote it as you mean it (e.g. {_quoted_example(key)})"
         )
     raise bad
+
+
+def _quoted_example(key: str, value: str = "...") -> str:
+    """`name: "value"`, or `name: ["value"]` for an item of a list key (stop 62: the example for
+    data.extra_src_langs was itself refused)."""
+    name = key.rpartition(".")[2]
+    return f'{name}: ["{value}"]' if key.startswith("each item of ") else f'{name}: "{value}"'
 
 
 def _type_name(hint: Any) -> str:
@@ -459,6 +466,9 @@ def validate(cfg: Config, where: str = "config") -> None:
         raise ConfigError(f"{where}: data.src_lang and data.tgt_lang are both {cfg.data.src_lang!r}")
     extra = cfg.data.extra_src_langs
     for lang in extra:
+        problem = name_problem(lang)
+        if problem:  # (stop 62: a path was taken, then missing as the file train.../other/train.fr)
+            raise ConfigError(f"{where}: each of data.extra_src_langs {problem}")
         if not lang or lang in (cfg.data.src_lang, cfg.data.tgt_lang) or extra.count(lang) > 1:
             raise ConfigError(
                 f"{where}: data.extra_src_langs must list other languages than data.src_lang and data.tgt_lang, "
@@ -671,7 +681,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, who
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ConfigError(not_found(path, "config file")) from None
-        except (OSError, UnicodeDecodeError) as e:
+        except UnicodeDecodeError as e:  # (stop 62: named a byte position, not a line)
+            line = e.object[: e.start].count(b"\n") + 1
+            raise ConfigError(f"{path}: line {line} is not valid UTF-8; save the config as UTF-8") from None
+        except OSError as e:
             raise ConfigError(f"{path}: cannot read config ({e})") from None
         try:
             raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a safe loader

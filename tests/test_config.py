@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,24 @@ def test_an_override_into_a_section_that_is_not_a_mapping(tmp_path: Path, sectio
     path.write_text(f"model:\n  d_model: 64\ntrain: {section}\n")
     with pytest.raises(ConfigError, match=r"--set train.lr=0.1: section train must be a mapping, got "):
         load_config(path, ["train.lr=0.1"])
+
+
+def test_a_config_not_in_utf8_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "latin.yaml"
+    path.write_bytes("train:\n  lr: 0.1\n# réglages\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin.yaml: line 3 is not valid UTF-8; save the config as UTF-8$"):
+        load_config(path)
+
+
+def test_list_items_and_extra_languages_are_checked_as_names() -> None:
+    """A path among data.extra_src_langs was taken, then missing as train.../x/train.fr; a list
+    item's error showed an example that was itself refused (stop 62)."""
+    sets = ["train.extra_sources=0.1"]
+    with pytest.raises(ConfigError, match=r"each of data.extra_src_langs must be a name within the data directory"):
+        load_config(None, [*sets, 'data.extra_src_langs=["../x/train.fr"]'])
+    example = re.escape('(e.g. extra_src_langs: ["..."])')
+    with pytest.raises(ConfigError, match=rf"each item of data.extra_src_langs must be a string, got 1: .*{example}$"):
+        load_config(None, [*sets, "data.extra_src_langs=[1]"])
 
 
 def test_octal_digits_that_read_the_same_and_other_bases_are_taken() -> None:
