@@ -203,6 +203,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     so truncated or bit-flipped files are errors rather than silently wrong weights."""
     if path.is_dir():
         raise CheckpointError(f"{path}: a directory, not a checkpoint file; give RUN/checkpoints/NAME.pt")
+    if path.exists() and not path.is_file():  # (stop 62: a FIFO or /dev/null was "not found")
+        raise CheckpointError(f"{path}: not a regular file; give RUN/checkpoints/NAME.pt")
     if not path.is_file():
         raise CheckpointError(not_found(path, "checkpoint"))
     try:
@@ -380,6 +382,10 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
         checkpoints = [default]
     members = []
     for path in checkpoints:
+        meant = next((c for c in (checkpoint_dir(run_dir) / path, run_dir / path) if c.is_file()), None)
+        if not path.is_absolute() and not path.exists() and not path.is_symlink() and meant is not None:
+            # (stop 62: `--checkpoint step_20.pt` was "not found", the run's own file beside it)
+            raise CheckpointError(f"{not_found(path, 'checkpoint')} (paths are from the working directory: {meant}?)")
         ckpt = load_checkpoint(path)
         if ckpt.get("step") == 0 and path.name == "last.pt":  # (stop 62: step 0's weights, without a word)
             logging.getLogger("mtx").warning(

@@ -961,3 +961,14 @@ def test_nbest_lists_that_repeat_a_text_are_warned(tiny_run: Path, monkeypatch: 
     err = r.stderr.decode()
     assert r.returncode == 0 and len(r.stdout.decode().splitlines()) == 2, err
     assert "1 input(s) have fewer than --nbest 2 different translations" in err
+
+
+def test_checkpoint_paths_that_name_no_file_say_what_they_name(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run-relative --checkpoint and a FIFO or device were "not found" (stop 62)."""
+    name = sorted((tiny_run / "checkpoints").glob("step_*.pt"))[-1].name
+    for given in (name, f"checkpoints/{name}"):
+        r = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--checkpoint", given, "x")
+        meant = tiny_run / "checkpoints" / name
+        assert_one_line_error(r, f"{given}: checkpoint not found (paths are from the working directory: {meant}?)")
+    r = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--checkpoint", "/dev/null", "x")
+    assert_one_line_error(r, "/dev/null: not a regular file")
