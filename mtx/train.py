@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -708,6 +709,20 @@ class StopRequest:
     def __exit__(self, *exc: object) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def _peer_lost(error: BaseException) -> bool:
+    """Whether a collective failed because another rank's process is gone (killed, out of memory)."""
+    return any(sign in str(error) for sign in _PEER_LOST)
+
+
+def _first_line(error: BaseException) -> str:
+    """The gist of a collective's error: its first line, the file position gloo puts first cut off."""
+    line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return re.sub(r"^\[[^\]]*\] ", "", line).split(". ")[0][:200]
 
 
 def too_few_batches(pairs: int, batches: int, tc: TrainConfig, world_size: int) -> str:
@@ -1565,6 +1580,14 @@ class Trainer:
             if st.validated_step != st.step:  # stopped between validations
                 self._evaluate(metrics)
                 st.elapsed += time.perf_counter() - last_time
+        except RuntimeError as e:
+            if self.ranks.world_size > 1 and _peer_lost(e):
+                # (stop 62: rank 0 printed gloo's 28-line traceback, and nothing on what was kept)
+                raise MtxError(
+                    f"another process of this torchrun job ended ({_first_line(e)}); the run is kept as "
+                    f"last.pt saved it at step {self.saved_step}. Resume with: {self._resume_command()}"
+                ) from None
+            raise
         finally:
             bar.close()
             if metrics is not None:

@@ -360,3 +360,49 @@ def test_ctrl_c_to_torchrun_saves_once_and_rank_0_alone_reports(tmp_path: Path, 
     again = f"Resume with: torchrun --standalone --nproc_per_node 2 -m mtx train --run-dir {run_dir} --resume"
     assert text.count(f"mtx: training stopped by SIGINT at step {step}; checkpoint saved. {again}\n") == 1, text[-3000:]
     assert "mtx: interrupted" not in text
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (torchrun's ranks), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's ranks through /proc")
+def test_a_rank_killed_leaves_one_line_on_what_was_kept(tmp_path: Path, mini_data: Path) -> None:
+    """A rank killed (kill -9, out of memory): rank 0 printed gloo's 28-line traceback and nothing
+    on what was kept or how to go on (stop 62)."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "mtx"]
+    args = tiny_args(mini_data, run_dir, "--set", "train.device=cpu", "--set", "train.log_every=1")
+    args += ["--set", "train.max_steps=100000", "--set", "train.eval_every=2", "--set", "train.eval_sentences=5"]
+    stderr = tmp_path / "stderr"
+    with stderr.open("wb") as err:
+        proc = subprocess.Popen(
+            [*command, *args],
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    wait_for(lambda: (run_dir / "checkpoints" / "best.pt").exists() and train_lines(run_dir) >= 3, proc, timeout=300)
+    ranks = sorted(_children(proc.pid))
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGKILL)  # started second: rank 1
+    proc.wait(timeout=120)
+    text = stderr.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("mtx: error: ")]
+    assert len(lines) == 1 and "[rank0]:" not in text, text[-3000:]
+    step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
+    assert lines[0].startswith("mtx: error: another process of this torchrun job ended (")
+    assert lines[0].endswith(
+        f"the run is kept as last.pt saved it at step {step}. "
+        f"Resume with: torchrun --standalone --nproc_per_node 2 -m mtx train --run-dir {run_dir} --resume"
+    )
