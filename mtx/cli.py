@@ -545,9 +545,11 @@ def _hypotheses_name(
         stems = "+".join(_checkpoint_tag(path, args.run) for path in args.checkpoint)
         tags.append(stems if len(stems) <= 100 else f"ensemble{len(args.checkpoint)}")
         own = checkpoint_dir(args.run).resolve()
-        if len(stems) > 100 or any(path.parent.resolve() != own for path in args.checkpoint):
+        single_plus = len(args.checkpoint) == 1 and "+" in stems
+        if len(stems) > 100 or single_plus or any(path.parent.resolve() != own for path in args.checkpoint):
             # a shortened name, or a checkpoint of another folder (a/base and b/base are both
-            # "base"), carries a digest of the paths (stop 54: two ensembles shared ensemble2)
+            # "base"), carries a digest of the paths (stop 54: two ensembles shared ensemble2),
+            # as does one checkpoint named like an ensemble (stop 62: a+b.pt's file was a and b's)
             paths = "\n".join(str(path.resolve()) for path in args.checkpoint)
             tags.append(hashlib.sha1(paths.encode("utf-8")).hexdigest()[:8])
     tags.append(f"beam{beam}")

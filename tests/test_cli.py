@@ -665,6 +665,11 @@ def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision()
     long = [["--checkpoint", f"r/checkpoints/{'x' * 60}{i}.pt"] for i in range(4)]
     assert re.fullmatch(r"val\.ensemble2\.[0-9a-f]{8}\.beam1\.en", name(*long[0], *long[1]))
     assert name(*long[0], *long[1]) != name(*long[2], *long[3])
+    # one checkpoint named like an ensemble (stop 62: an average saved as step_7+avg.pt replaced the
+    # ensemble's hypotheses)
+    assert re.fullmatch(
+        r"val\.step_7\+avg\.[0-9a-f]{8}\.beam1\.en", name("--checkpoint", "r/checkpoints/step_7+avg.pt")
+    )
     # another length penalty than the run's is named (stop 52: it replaced the run's own file)
     assert name("--beam", "5", "--length-penalty", "2") == "val.beam5.lp2.en"
     assert name("--beam", "5", "--length-penalty", "0.6", "--stop", "finished") == "val.beam5.lp0.6.finished.en"
