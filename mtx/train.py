@@ -1936,6 +1936,17 @@ class UntilReaderGone:
         return getattr(self.stream, name)
 
 
+class _HeldWarnings(logging.Handler):
+    """Keeps the warnings logged while the data is read, before train.log can be opened."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 class RunLog(logging.FileHandler):
     """The run's train.log. A record that cannot be written there (a full disk, a train.log that
     is a directory) is one warning on standard error, and the log stops while training goes on:
@@ -2057,8 +2068,13 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     device = rank_device(cfg.train.device, ranks)
     amp_dtype(device, cfg.train.amp)
     data_dir = Path(cfg.data.dir)  # resolved above
-    corpus = load_corpus(data_dir, cfg.data, [cfg.data.train_split, cfg.data.valid_split])
-    extra_texts = extra_source_texts(data_dir, cfg.data)  # like the corpus: read before anything is written
+    early = _HeldWarnings()  # the data's warnings, for train.log once it is open (stop 62: lost there)
+    logging.getLogger("mtx").addHandler(early)
+    try:
+        corpus = load_corpus(data_dir, cfg.data, [cfg.data.train_split, cfg.data.valid_split])
+        extra_texts = extra_source_texts(data_dir, cfg.data)  # like the corpus: read before anything is written
+    finally:
+        logging.getLogger("mtx").removeHandler(early)
     if ranks.world_size > 1:
         start_process_group(device, ranks)
     mtx_log = logging.getLogger("mtx")
@@ -2082,6 +2098,8 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
                 handler = RunLog(run_dir / "train.log")
                 handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
                 logging.getLogger().addHandler(handler)
+                for record in early.records:
+                    handler.handle(record)
             else:
                 mtx_log.setLevel(logging.WARNING)  # rank 0 reports for the job
             try:

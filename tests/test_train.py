@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import gzip
 import json
+import shutil
 import types
 from pathlib import Path
 
@@ -684,3 +686,15 @@ def test_training_clips_the_gradient_and_updates_at_the_scheduled_rate(
     assert all(n <= free[0] / 10 * (1 + 1e-5) for n in clipped)
     loose, _ = first_steps(free[0] * 10)
     assert loose[0] == pytest.approx(free[0], rel=1e-6)  # below the bound: untouched
+
+
+def test_the_datas_warnings_reach_train_log(tmp_path: Path, mini_data: Path) -> None:
+    """Logged as the data is read, before train.log is opened, they reached standard error only:
+    the run's record did not say which of two files it trained on (stop 62)."""
+    data = tmp_path / "data"
+    shutil.copytree(mini_data, data)
+    plain = data / "train.de"
+    (data / f"{plain.name}.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    run = tmp_path / "run"
+    assert main(tiny_args(data, run, "--set", "train.max_steps=2", "--set", "train.eval_sentences=5")) == 0
+    assert f"both {plain.name} and {plain.name}.gz are here; reading {plain.name}" in (run / "train.log").read_text()
