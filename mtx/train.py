@@ -1027,7 +1027,7 @@ class Trainer:
         missing = [k for k in ("optimizer", "scaler", "rng", "state", "config") if k not in ckpt]
         if missing:
             raise CheckpointError(f"{path}: holds weights only (no {', '.join(missing)}); resuming needs a last.pt")
-        _check_unchanged(ckpt["config"], self.cfg, path)
+        _check_unchanged(ckpt["config"], self.cfg, path, "val_digest" in ckpt)
         ckpt_io.check_compatible(ckpt, path, self.vocab, self.model)
         self.model.load_state_dict(ckpt["model"])
         try:
@@ -1750,7 +1750,10 @@ def _check_same_val(last: dict[str, Any], digest: str, cfg: Config, run_dir: Pat
         return
     data = last.get("config", {}).get("data", {})
     old_dir = data.get("dir") if isinstance(data, dict) else None
-    if old_dir is not None and old_dir != cfg.data.dir:
+    old_n = last.get("config", {}).get("train", {}).get("eval_sentences")
+    if old_n is not None and old_n != cfg.train.eval_sentences:
+        what = f"train.eval_sentences is {cfg.train.eval_sentences}, the run validated on {old_n}"
+    elif old_dir is not None and old_dir != cfg.data.dir:
         what = f"data.dir is {cfg.data.dir}, the run validated in {old_dir}"
     else:
         what = f"the {cfg.data.valid_split} files in {cfg.data.dir} changed"
@@ -1828,7 +1831,7 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, val: str | None = 
             raise MtxError(f"{metrics}: not a file; the run's metrics are appended there: move it away, then resume")
         path = ckpt_io.checkpoint_dir(run_dir) / "last.pt"
         last = ckpt_io.load_checkpoint(path)
-        _check_unchanged(last.get("config", {}), cfg, path)
+        _check_unchanged(last.get("config", {}), cfg, path, val is not None and "val_digest" in last)
         if val is not None:
             _check_same_val(last, val, cfg, run_dir, path)
         _check_below_max_steps(last.get("state", {}).get("step", 0), cfg, path)
@@ -1885,12 +1888,15 @@ _FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer st
 }
 
 
-def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path) -> None:
+def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path, val_digest_kept: bool = False) -> None:
     """On resume, refuse --set changes to keys the weights, tokenizer, optimizer state or best.pt's
-    comparisons depend on."""
+    comparisons depend on. Where last.pt keeps the val pairs' digest, it decides on
+    train.eval_sentences (`_check_same_val`): 0 and 5,000 of 1,014 val pairs are the same pairs."""
     now = to_dict(cfg)
     for section, keys in _FIXED_ON_RESUME.items():
         for key in keys:
+            if val_digest_kept and (section, key) == ("train", "eval_sentences"):  # (stop 62: refused)
+                continue
             old, new = saved.get(section, {}).get(key), now[section][key]
             if old is not None and old != new:
                 raise CheckpointError(

@@ -1202,7 +1202,7 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
     (
         "resume changing the val sentences best.pt was chosen on (stop 55)",
         _resumed_with("train.eval_sentences=2"),
-        ("--resume cannot change train.eval_sentences",),
+        ("the val pairs differ from those best.pt was chosen on (train.eval_sentences is 2, the run validated on",),
     ),
     (
         "resume changing tokenizer.joint (stop 55: 'no tokenizer.de.json; is this an mtx run directory?')",

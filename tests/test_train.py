@@ -698,3 +698,25 @@ def test_the_datas_warnings_reach_train_log(tmp_path: Path, mini_data: Path) -> 
     run = tmp_path / "run"
     assert main(tiny_args(data, run, "--set", "train.max_steps=2", "--set", "train.eval_sentences=5")) == 0
     assert f"both {plain.name} and {plain.name}.gz are here; reading {plain.name}" in (run / "train.log").read_text()
+
+
+def test_resume_takes_eval_sentences_that_pick_the_same_val_pairs(tmp_path: Path, mini_data: Path) -> None:
+    """5,000 and 0 (all) of 30 val pairs are the same pairs: the resume was refused (stop 62)."""
+    run = tmp_path / "run"
+    assert main(tiny_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_sentences=5000")) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--run-dir",
+                str(run),
+                "--resume",
+                "--set",
+                "train.max_steps=4",
+                "--set",
+                "train.eval_sentences=0",
+            ]
+        )
+        == 0
+    )
+    assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"] == 4
