@@ -157,15 +157,20 @@ def clean_line(text: str) -> str:
 _SHOWN_FORMAT = frozenset("\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f\u0890\u0891\u08e2\U000110bd\U000110cd")
 
 
+# the combining grapheme joiner, and letters drawn as blanks: the Hangul fillers and the blank
+# braille pattern (stop 62: a line of them was translated as a sentence)
+_BLANK_LETTERS = frozenset("\u034f\u115f\u1160\u3164\uffa0\u2800")
+
+
 def _invisible(char: str) -> bool:
     """Whether `char` shows nothing by itself: the `INVISIBLE` characters, every other Unicode
     format character (category Cf: left-to-right and right-to-left marks, bidi controls, the
-    soft hyphen, invisible operators), control characters (Cc: NUL, escape, DEL), the combining
-    grapheme joiner and variation selectors."""
+    soft hyphen, invisible operators), control characters (Cc: NUL, escape, DEL), `_BLANK_LETTERS`
+    and variation selectors."""
     return (
         char in INVISIBLE
         or (unicodedata.category(char) in ("Cf", "Cc") and char not in _SHOWN_FORMAT)
-        or char == "\u034f"
+        or char in _BLANK_LETTERS
         or "\ufe00" <= char <= "\ufe0f"
         or "\U000e0100" <= char <= "\U000e01ef"
     )

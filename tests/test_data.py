@@ -118,6 +118,10 @@ def test_text_lines_keeps_inner_empty_lines_and_names_the_source() -> None:
     # stop 55: with whitespace between invisible characters too
     spaced = "\u200b \u200b \u200b\n\u200b\u00a0\u200b\u00a0\u200b\n"
     assert text_lines(spaced.encode(), "x", "the file") == ["", ""]
+    # stop 62: letters drawn as blanks (Hangul fillers, the blank braille pattern); a line with a
+    # Hangul syllable beside them is text
+    blanks = "\u3164\u3164\n\u2800 \u2800\n\uffa0\u115f\u1160\n\u3164\ud55c\n"
+    assert text_lines(blanks.encode(), "x", "the file") == ["", "", "", "\u3164\ud55c"]
 
 
 def test_invisible_lines_are_empty_data_lines_and_references_not_in_nfc_warn(
