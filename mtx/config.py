@@ -11,6 +11,7 @@ import difflib
 import math
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -348,8 +349,10 @@ def _unknown(key: str, where: str) -> ConfigError:
     return ConfigError(f"{where}: unknown key {shown}{hint}")
 
 
-def from_dict(raw: Any, where: str = "config") -> Config:
-    """Build a validated Config from nested dicts (e.g. parsed YAML)."""
+def from_dict(raw: Any, where: str = "config", file_where: str | None = None, set_keys: Iterable[str] = ()) -> Config:
+    """Build a validated Config from nested dicts (e.g. parsed YAML). A key's own error names
+    `file_where` (the file) unless --set gave it (`set_keys`); checks across keys name `where`."""
+    set_keys = set(set_keys)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -377,7 +380,8 @@ def from_dict(raw: Any, where: str = "config") -> Config:
             dotted = f"{name}.{key}"
             if key not in hints:
                 raise _unknown(dotted, where)
-            kwargs[key] = _convert(item, hints[key], dotted, where)
+            # (stop 62: a file's bad value was blamed on "FILE (with --set)" whenever --set was given)
+            kwargs[key] = _convert(item, hints[key], dotted, "--set" if dotted in set_keys else file_where or where)
         built[name] = cls(**kwargs)
     cfg = Config(**built)
     validate(cfg, where)
@@ -720,10 +724,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, who
                 f"{path}: no {', '.join(missing)} section{'s' if len(missing) > 1 else ''}; mtx train writes "
                 "the whole config, so the file was cut short or emptied: restore it from a copy"
             )
+    file_where = where
     if overrides:
         apply_overrides(raw, overrides)
         where = f"{where} (with --set)"
-    cfg = from_dict(raw, where)
+    cfg = from_dict(raw, where, file_where, [parse_override(text)[0] for text in overrides or []])
     if cfg.train.dropout_start and not cfg.train.dropout_warmup and (overrides or not whole):
         # (it was ignored without a word; a run saved so still translates and resumes as it trained)
         raise ConfigError(

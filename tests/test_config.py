@@ -331,3 +331,13 @@ def test_a_saved_run_with_an_unramped_dropout_start_still_loads(tmp_path: Path) 
         load_config(path)
     with pytest.raises(ConfigError, match="train.dropout_start is set but train.dropout_warmup is 0"):
         load_config(path, ["train.max_steps=5"], whole=True)
+
+
+def test_a_keys_error_names_where_the_value_came_from(tmp_path: Path) -> None:
+    """A bad value in the file was blamed on "FILE (with --set)" whenever a --set was given (stop 62)."""
+    path = tmp_path / "c.yaml"
+    path.write_text('model:\n  pre_norm: "false"\ntrain:\n  max_steps: 5\n')
+    with pytest.raises(ConfigError, match=r"^.*c\.yaml: model\.pre_norm must be true or false, got 'false'$"):
+        load_config(path, ["train.max_steps=2"])
+    with pytest.raises(ConfigError, match=r"^--set: model\.pre_norm must be true or false, got 'maybe'$"):
+        load_config(path, ["model.pre_norm=maybe"])
