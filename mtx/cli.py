@@ -365,6 +365,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise MtxError(
                 "--resume continues with the run's own config.yaml; drop --config (use --set to change keys)"
             )
+        _restore_config(args.run_dir)
         cfg = load_run_config(args.run_dir, args.overrides)
     else:
         if args.config is None:
@@ -379,6 +380,24 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     print(json.dumps({"run_dir": str(run_dir), "step": state.step, "best_val_bleu": round(state.best_bleu, 2)}))
     return 0
+
+
+def _restore_config(run_dir: Path) -> None:
+    """A resumed run whose config.yaml is gone gets it back from last.pt, which holds the config
+    it trained with (stop 62: the run was called "not an mtx run directory")."""
+    from mtx.config import CONFIG_FILE
+
+    last = run_dir / "checkpoints" / "last.pt"
+    if (run_dir / CONFIG_FILE).exists() or (run_dir / CONFIG_FILE).is_symlink() or not last.is_file():
+        return
+    from mtx.checkpoint import atomic_write_text, load_checkpoint, run_dir_lock
+    from mtx.config import from_dict
+    from mtx.train import config_text
+
+    with run_dir_lock(run_dir):  # not while a training sets the run up
+        cfg = from_dict(load_checkpoint(last).get("config"), f"{last}'s config")
+        atomic_write_text(run_dir / CONFIG_FILE, config_text(cfg))
+    log.warning("%s: %s was missing; written again from %s", run_dir, CONFIG_FILE, last)
 
 
 def _decode_settings(args: argparse.Namespace, cfg_decode: object) -> tuple[int, float, int, int, str]:

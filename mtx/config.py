@@ -751,5 +751,11 @@ def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Config
     if not run_dir.is_dir():
         raise CheckpointError(not_found(run_dir, "run directory"))
     if not path.is_file():
+        if (run_dir / "checkpoints" / "last.pt").is_file():  # (stop 62: "is this an mtx run directory?")
+            raise CheckpointError(
+                f"{run_dir}: {CONFIG_FILE} is missing, though the run's checkpoints are here; restore it from a "
+                f"copy, or let `mtx train --run-dir {run_dir} --resume` write it from last.pt (it trains on "
+                "if the run has not ended)"
+            )
         raise CheckpointError(f"{run_dir}: no {CONFIG_FILE}; is this an mtx run directory?")
     return load_config(path, overrides, whole=True)

@@ -1701,3 +1701,20 @@ def test_translating_with_a_step_0_checkpoint_is_warned(
     capsys.readouterr()
     assert main(["translate", "--run", str(run), "Ein Hund."]) == 0
     assert "last.pt is from step 0: the run has not trained yet" in capsys.readouterr().err
+
+
+def test_a_run_that_lost_its_config_gets_it_back_on_resume(
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run with its checkpoints but no config.yaml was "not an mtx run directory", with no way
+    back (stop 62): translate says how, and --resume writes it from last.pt."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    config = (run / "config.yaml").read_text()
+    (run / "config.yaml").unlink()
+    capsys.readouterr()
+    assert main(["translate", "--run", str(run), "x"]) == 1
+    assert "config.yaml is missing, though the run's checkpoints are here" in capsys.readouterr().err
+    assert main(["train", "--run-dir", str(run), "--resume"]) == 0
+    assert "config.yaml was missing; written again from" in capsys.readouterr().err
+    assert (run / "config.yaml").read_text() == config
