@@ -28,7 +28,7 @@ from typing import IO, Any
 import torch
 
 from mtx.config import CONFIG_FILE, Config, ModelConfig, load_run_config
-from mtx.errors import CheckpointError, command_line, not_found, shown
+from mtx.errors import CheckpointError, command_line, not_found, own_command, shown
 from mtx.model import Ensemble, Seq2Seq
 from mtx.tokenizer import BPE, load_run_tokenizers
 
@@ -377,7 +377,7 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
             # (stop 62: "train it first" while a training was setting it up, which refused that command)
             with run_dir_lock(run_dir, "its first checkpoint is saved once it has set up; try again then"):
                 pass
-            start = command_line("mtx", "train", "--config", run_dir / CONFIG_FILE, "--run-dir", run_dir)
+            start = command_line(*own_command(), "train", "--config", run_dir / CONFIG_FILE, "--run-dir", run_dir)
             raise CheckpointError(f"{run_dir}: no checkpoints yet; train it first: {start}")
         checkpoints = [default]
     members = []

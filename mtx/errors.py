@@ -6,6 +6,7 @@ import contextlib
 import os
 import reprlib
 import shlex
+import shutil
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -87,6 +88,34 @@ def command_line(*words: object) -> str:
     """A command for the user to copy, each word quoted as a POSIX shell needs it: a run directory
     with a space or `$` in its name gave a command that did not work when pasted."""
     return " ".join(shlex.quote(str(word)) for word in words)
+
+
+def own_command(argv0: str | None = None) -> list[str]:
+    """How this mtx was started, as the user can type it again: `mtx` where that is the one on
+    PATH, else the path it was started by (`make train` runs `.venv/bin/mtx`, which a shell
+    without the venv activated does not find: stop 62), or `PYTHON -m mtx`."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    name = os.path.basename(argv0)
+    if name == "mtx":
+        found = shutil.which("mtx")
+        return ["mtx"] if found and os.path.exists(argv0) and os.path.samefile(found, argv0) else [argv0]
+    if name == "__main__.py" and os.path.basename(os.path.dirname(argv0)) == "mtx":
+        return [_this_environments("python") or sys.executable, "-m", "mtx"]
+    return ["mtx"]
+
+
+def torchrun_command() -> list[str]:
+    """`torchrun` where PATH finds this environment's, else `PYTHON -m torch.distributed.run`."""
+    if _this_environments("torchrun"):
+        return ["torchrun"]
+    return [_this_environments("python") or sys.executable, "-m", "torch.distributed.run"]
+
+
+def _this_environments(name: str) -> str | None:
+    """`name` where PATH finds it in this Python's own directory (the same environment), else None."""
+    found = shutil.which(name)
+    here = os.path.dirname(os.path.abspath(sys.executable))
+    return name if found is not None and os.path.dirname(os.path.abspath(found)) == here else None
 
 
 def not_found(path: os.PathLike[str] | str, what: str) -> str:

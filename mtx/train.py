@@ -62,7 +62,9 @@ from mtx.errors import (
     MtxError,
     command_line,
     named_os_errors,
+    own_command,
     take_signals,
+    torchrun_command,
 )
 from mtx.evaluate import corpus_scores
 from mtx.model import Dropout, Seq2Seq, make_src_mask
@@ -1661,9 +1663,9 @@ class Trainer:
         resume = ("train", "--run-dir", self.run_dir, "--resume")
         world = self.ranks.world_size
         if world == 1:
-            return command_line("mtx", *resume)
+            return command_line(*own_command(), *resume)
         if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:  # one machine
-            return command_line("torchrun", "--standalone", "--nproc_per_node", world, "-m", "mtx", *resume)
+            return command_line(*torchrun_command(), "--standalone", "--nproc_per_node", world, "-m", "mtx", *resume)
         return f"torchrun as this job was started ({world} processes) -m mtx {command_line(*resume)}"
 
     def _evaluate(self, metrics: Any) -> bool:
@@ -1787,7 +1789,7 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
         if (ckpt_io.checkpoint_dir(run_dir) / "last.pt").is_file():
             return
         if not run_dir.is_dir() or unfinished_start(run_dir) or not config_path.is_file():
-            start = command_line("mtx", "train", "--config", config_path, "--run-dir", run_dir)
+            start = command_line(*own_command(), "train", "--config", config_path, "--run-dir", run_dir)
             raise MtxError(f"{run_dir}: nothing to resume (no checkpoints/last.pt); start it again with: {start}")
         # a run that trained, and lost last.pt: starting it again in place is refused below, so the
         # advice is a new run from what is left (stop 54: each error sent the user to the other)
@@ -1796,7 +1798,7 @@ def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
         if not kept:
             raise MtxError(f"{missing}; train it again in a new --run-dir")
         start = command_line(
-            "mtx", "train", "--config", config_path, "--run-dir", "NEW", "--set", f"train.init_from={kept[0]}"
+            *own_command(), "train", "--config", config_path, "--run-dir", "NEW", "--set", f"train.init_from={kept[0]}"
         )
         raise MtxError(f"{missing}; to train on, start a new run from one: {start}")
     for path in (run_dir, *run_dir.parents):  # (mkdir said only "File exists")

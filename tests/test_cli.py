@@ -977,3 +977,20 @@ def test_checkpoint_paths_that_name_no_file_say_what_they_name(tiny_run: Path, m
         assert_one_line_error(r, f"{given}: checkpoint not found (paths are from the working directory: {meant}?)")
     r = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--checkpoint", "/dev/null", "x")
     assert_one_line_error(r, "/dev/null: not a regular file")
+
+
+def test_commands_to_paste_start_mtx_as_it_was_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make train` runs .venv/bin/mtx: its resume line said `mtx ...`, which a shell without the
+    venv does not find (stop 62)."""
+    from mtx.errors import own_command
+
+    script = tmp_path / "bin" / "mtx"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert own_command(str(script)) == [str(script)]
+    monkeypatch.setenv("PATH", str(script.parent))
+    assert own_command(str(script)) == ["mtx"]
+    assert own_command(str(REPO / "mtx" / "__main__.py")) == [sys.executable, "-m", "mtx"]
+    assert own_command("/usr/bin/pytest") == ["mtx"]

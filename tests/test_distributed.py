@@ -23,7 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from mtx.config import Config, load_config
 from mtx.data import Batch, ParallelIds, epoch_batches, plan_batches
-from mtx.errors import ConfigError
+from mtx.errors import ConfigError, command_line, torchrun_command
 from mtx.train import Ranks, Trainer, prepare_run_dir
 
 from .conftest import REPO, TINY_CONFIG, tiny_args
@@ -331,6 +331,10 @@ def test_torchrun_trains_resumes_and_translates(tmp_path: Path, mini_data: Path)
     assert len(r.stdout.decode().splitlines()) == 1 and r.stdout.decode().strip()
 
 
+# what a torchrun job prints to resume it: torchrun as this environment has it, 2 processes
+TORCHRUN_RESUME = (*torchrun_command(), "--standalone", "--nproc_per_node", "2", "-m", "mtx", "train")
+
+
 def test_ctrl_c_to_torchrun_saves_once_and_rank_0_alone_reports(tmp_path: Path, mini_data: Path) -> None:
     """A terminal's Ctrl-C goes to its foreground process group: torchrun, which passes it on to
     the ranks (each in a session of its own). Every rank stops at the same step with last.pt saved,
@@ -357,7 +361,7 @@ def test_ctrl_c_to_torchrun_saves_once_and_rank_0_alone_reports(tmp_path: Path, 
     assert step >= 2, text[-3000:]
     assert text.count("received SIGINT: saving a checkpoint") == 1, text[-3000:]
     # the command continues the run in as many processes (stop 62: the plain one, in a single process)
-    again = f"Resume with: torchrun --standalone --nproc_per_node 2 -m mtx train --run-dir {run_dir} --resume"
+    again = "Resume with: " + command_line(*TORCHRUN_RESUME, "--run-dir", run_dir, "--resume")
     assert text.count(f"mtx: training stopped by SIGINT at step {step}; checkpoint saved. {again}\n") == 1, text[-3000:]
     assert "mtx: interrupted" not in text
 
@@ -402,7 +406,5 @@ def test_a_rank_killed_leaves_one_line_on_what_was_kept(tmp_path: Path, mini_dat
     assert len(lines) == 1 and "[rank0]:" not in text, text[-3000:]
     step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
     assert lines[0].startswith("mtx: error: another process of this torchrun job ended (")
-    assert lines[0].endswith(
-        f"the run is kept as last.pt saved it at step {step}. "
-        f"Resume with: torchrun --standalone --nproc_per_node 2 -m mtx train --run-dir {run_dir} --resume"
-    )
+    again = command_line(*TORCHRUN_RESUME, "--run-dir", run_dir, "--resume")
+    assert lines[0].endswith(f"the run is kept as last.pt saved it at step {step}. Resume with: {again}")

@@ -36,7 +36,7 @@ from mtx.checkpoint import (
 from mtx.cli import main
 from mtx.config import TokenizerConfig, load_config
 from mtx.data import ParallelIds, read_lines
-from mtx.errors import MtxError
+from mtx.errors import MtxError, command_line, own_command
 from mtx.tokenizer import train_bpe
 
 from .conftest import REPO, main_in_process, tiny_args
@@ -583,9 +583,10 @@ def test_stop_signal_saves_and_tells_how_to_resume(tmp_path: Path, mini_data: Pa
     assert "Traceback" not in err_text
     step = load_weights_only(run_dir / "checkpoints" / "last.pt")["step"]
     assert step >= 3
+    # the command as this process was started, typed again (stop 62: `mtx`, not on a make user's PATH)
+    again = command_line(*own_command(str(REPO / "mtx" / "__main__.py")), "train", "--run-dir", run_dir, "--resume")
     assert err_text.rstrip().splitlines()[-1] == (
-        f"mtx: training stopped by {sig.name} at step {step}; checkpoint saved. "
-        f"Resume with: mtx train --run-dir {run_dir} --resume"
+        f"mtx: training stopped by {sig.name} at step {step}; checkpoint saved. Resume with: {again}"
     )
     assert main(["train", "--run-dir", str(run_dir), "--resume", "--set", f"train.max_steps={step + 3}"]) == 0
     assert load_weights_only(run_dir / "checkpoints" / "last.pt")["step"] == step + 3
