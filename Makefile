@@ -23,8 +23,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# a run that has saved a checkpoint is continued (an interrupted `make train` goes on where it stopped)
 train: $(STAMP)
-	$(BIN)/mtx train --config $(CONFIG) --run-dir $(RUN_DIR) $(ARGS)
+	@if [ -f $(RUN_DIR)/checkpoints/last.pt ]; then \
+		echo "make train: $(RUN_DIR) holds a run: continuing it (--resume, with its own config.yaml)"; \
+		$(BIN)/mtx train --run-dir $(RUN_DIR) --resume $(ARGS); \
+	else \
+		$(BIN)/mtx train --config $(CONFIG) --run-dir $(RUN_DIR) $(ARGS); \
+	fi
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -994,3 +994,17 @@ def test_commands_to_paste_start_mtx_as_it_was_started(tmp_path: Path, monkeypat
     assert own_command(str(script)) == ["mtx"]
     assert own_command(str(REPO / "mtx" / "__main__.py")) == [sys.executable, "-m", "mtx"]
     assert own_command("/usr/bin/pytest") == ["mtx"]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_train_continues_a_run_that_has_a_checkpoint(tiny_run: Path, tmp_path: Path) -> None:
+    """An interrupted `make train` could not be continued by make: `make train` refused the run
+    directory, and `ARGS=--resume` came with --config (stop 62)."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    bin_dir = Path(sys.executable).parent  # this environment's mtx; -o: its install taken as done
+    argv = ["make", "-s", "-o", ".venv/.mtx-installed", "train", f"BIN={bin_dir}", f"RUN_DIR={run}"]
+    r = subprocess.run([*argv, "ARGS=--set train.max_steps=201"], cwd=REPO, capture_output=True, timeout=600)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert f"make train: {run} holds a run: continuing it" in r.stdout.decode()
+    assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"] == 201
