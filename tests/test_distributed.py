@@ -335,24 +335,32 @@ def test_torchrun_trains_resumes_and_translates(tmp_path: Path, mini_data: Path)
 TORCHRUN_RESUME = (*torchrun_command(), "--standalone", "--nproc_per_node", "2", "-m", "mtx", "train")
 
 
-def test_ctrl_c_to_torchrun_saves_once_and_rank_0_alone_reports(tmp_path: Path, mini_data: Path) -> None:
-    """A terminal's Ctrl-C goes to its foreground process group: torchrun, which passes it on to
-    the ranks (each in a session of its own). Every rank stops at the same step with last.pt saved,
-    and rank 0 alone reports it (stop 53; before, each rank printed both lines)."""
-    run_dir = tmp_path / "run"
+def start_torchrun(
+    stderr: Path, data: Path, run_dir: Path, *settings: str, start_new_session: bool = False
+) -> subprocess.Popen[bytes]:
+    """A 2-process torchrun training of the tiny config in the background, to 100,000 steps."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "mtx"]
-    args = tiny_args(mini_data, run_dir, "--set", "train.device=cpu", "--set", "train.log_every=1")
-    args += ["--set", "train.max_steps=100000", "--set", "train.eval_every=100000"]
-    stderr = tmp_path / "stderr"
+    args = tiny_args(data, run_dir, "--set", "train.device=cpu", "--set", "train.log_every=1")
+    for setting in ("train.max_steps=100000", *settings):
+        args += ["--set", setting]
     with stderr.open("wb") as err:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             [*command, *args],
             cwd=REPO,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             stdout=subprocess.DEVNULL,
             stderr=err,
-            start_new_session=True,  # its own process group, as a terminal's foreground job
+            start_new_session=start_new_session,
         )
+
+
+def test_ctrl_c_to_torchrun_saves_once_and_rank_0_alone_reports(tmp_path: Path, mini_data: Path) -> None:
+    """A terminal's Ctrl-C goes to its foreground process group: torchrun, which passes it on to
+    the ranks (each in a session of its own). Every rank stops at the same step with last.pt saved,
+    and rank 0 alone reports it (stop 53; before, each rank printed both lines)."""
+    run_dir, stderr = tmp_path / "run", tmp_path / "stderr"
+    # its own process group, as a terminal's foreground job
+    proc = start_torchrun(stderr, mini_data, run_dir, "train.eval_every=100000", start_new_session=True)
     wait_for(lambda: train_lines(run_dir) >= 2, proc, timeout=300)
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=120)
@@ -383,19 +391,8 @@ def _children(pid: int) -> list[int]:
 def test_a_rank_killed_leaves_one_line_on_what_was_kept(tmp_path: Path, mini_data: Path) -> None:
     """A rank killed (kill -9, out of memory): rank 0 printed gloo's 28-line traceback and nothing
     on what was kept or how to go on (stop 62)."""
-    run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "mtx"]
-    args = tiny_args(mini_data, run_dir, "--set", "train.device=cpu", "--set", "train.log_every=1")
-    args += ["--set", "train.max_steps=100000", "--set", "train.eval_every=2", "--set", "train.eval_sentences=5"]
-    stderr = tmp_path / "stderr"
-    with stderr.open("wb") as err:
-        proc = subprocess.Popen(
-            [*command, *args],
-            cwd=REPO,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
+    run_dir, stderr = tmp_path / "run", tmp_path / "stderr"
+    proc = start_torchrun(stderr, mini_data, run_dir, "train.eval_every=2", "train.eval_sentences=5")
     wait_for(lambda: (run_dir / "checkpoints" / "best.pt").exists() and train_lines(run_dir) >= 3, proc, timeout=300)
     ranks = sorted(_children(proc.pid))
     assert len(ranks) == 2
