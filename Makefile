@@ -15,7 +15,7 @@ DECODE_ARGS ?=
 # torch is pinned first: the pin takes the CPU wheel on this machine (a regular build elsewhere);
 # pyproject.toml keeps the honest range torch>=2.4, which the pinned install already satisfies.
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/pip || $(PYTHON) -m venv --clear $(VENV)  # (a venv made without pip is made again)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev,plot]'
 	$(BIN)/pip install --quiet -e '.[export]' || echo 'note: no CTranslate2 wheel for this platform; mtx export and its tests are skipped'

@@ -18,13 +18,24 @@ from mtx.cli import main
 from mtx.data import MULTI30K_URL
 
 REPO = Path(__file__).resolve().parent.parent
-# the local Multi30k copy beside the checkout, or where $MTX_DATA_DIR points (as `data.dir: auto` reads it)
 # CTranslate2 multiplies int8 through oneDNN on CPUs other than Intel's (MKL on Intel's). On an AMD
 # EPYC (Zen 3, AVX2; stop 56) that path scored the tiny test model's greedy outputs 0.059 nats a
 # token off on average (at most 0.38; 14 of 100 decoded alike) against MKL's 0.003 (0.02; 80 of
 # 100). The export tests check mtx's conversion, not the engine's kernels: MKL's path everywhere
 os.environ.setdefault("CT2_USE_MKL", "1")
-SHARED_DATA = Path(os.environ.get("MTX_DATA_DIR") or REPO.parent / "shared" / "data" / "multi30k")
+
+
+def _local_multi30k() -> Path:
+    """$MTX_DATA_DIR, else the copy beside the checkout, else the download cache that `make train`
+    fills (stop 62: a clone elsewhere, whose training had downloaded the data, failed half the
+    tests), as `data.dir: auto` looks; the copy beside the checkout where none holds it."""
+    beside = REPO.parent / "shared" / "data" / "multi30k"
+    if os.environ.get("MTX_DATA_DIR"):
+        return Path(os.environ["MTX_DATA_DIR"])
+    return next((p for p in (beside, mtx.data.multi30k_cache()) if (p / "train.de.gz").is_file()), beside)
+
+
+SHARED_DATA = _local_multi30k()
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
 
 torch.set_num_threads(2)
