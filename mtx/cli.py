@@ -484,7 +484,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
         show_bar = not terminal and not sys.stdout.isatty()
         chunks = stream_lines(sys.stdin.buffer, args.buffer_lines, "standard input", "the input")
     else:
-        terminal, show_bar, chunks = False, False, [(0, [clean_line(t) for t in texts])]
+        # a TEXT holding line breaks (`"$(cat notes.txt)"`) is its lines, as on standard input
+        # (stop 62: translated as one sentence, its line breaks as pieces)
+        lines = [clean_line(part) for text in texts for part in text.removesuffix("\n").split("\n")]
+        terminal, show_bar, chunks = False, False, [(0, lines)]
     run = _load(args)
     dc = run.cfg.decode
     if terminal:

@@ -147,9 +147,15 @@ def clean_line(text: str) -> str:
     """A line as mtx reads it: stripped of whitespace and of a byte order mark before it (one
     starts each file that Notepad saved, and so each joined file's first line after `cat`); a line
     of invisible characters alone (zero-width spaces) is empty (stop 54: it was translated as a
-    sentence, and passed the data's empty-line check), whitespace between them too (stop 55)."""
-    line = text.strip().removeprefix(BOM).strip()
-    return "" if all(c.isspace() or _invisible(c) for c in line) else line
+    sentence, and passed the data's empty-line check), whitespace between them too (stop 55), and
+    invisible characters at either end go with the whitespace (stop 62: a left-to-right mark, which
+    bidi-aware editors put before a line, made a translation of another sentence)."""
+    start, end = 0, len(text)  # (stop 62: a left-to-right mark before a line changed its translation)
+    while start < end and (text[start].isspace() or _invisible(text[start])):
+        start += 1
+    while end > start and (text[end - 1].isspace() or _invisible(text[end - 1])):
+        end -= 1
+    return text[start:end]
 
 
 # format characters that are drawn (the prepended concatenation marks: Arabic number signs, the

@@ -1008,3 +1008,12 @@ def test_make_train_continues_a_run_that_has_a_checkpoint(tiny_run: Path, tmp_pa
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     assert f"make train: {run} holds a run: continuing it" in r.stdout.decode()
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"] == 201
+
+
+def test_a_text_argument_holding_line_breaks_is_its_lines(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mtx translate "$(cat f)"` was one sentence, its line breaks pieces of it (stop 62)."""
+    r = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", "Ein Hund.\nEine Frau.\r\n", "Zwei.")
+    piped = mtx_here(
+        monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", stdin=b"Ein Hund.\nEine Frau.\nZwei.\n"
+    )
+    assert r.returncode == 0 and r.stdout == piped.stdout and len(r.stdout.decode().splitlines()) == 3

@@ -114,14 +114,20 @@ def test_text_lines_keeps_inner_empty_lines_and_names_the_source() -> None:
     # stop 54: a byte order mark starting a later line (files joined by cat) is not part of it, and a
     # line of invisible characters alone is empty (it was translated as a sentence)
     joined = "\ufeffa\n\ufeffb \u200bc\n\u200b\n \ufeff\u2060 \n\u200dd\u200d\n"
-    assert text_lines(joined.encode(), "x", "the file") == ["a", "b \u200bc", "", "", "\u200dd\u200d"]
+    # stop 62: invisible characters at either end go with the whitespace (a left-to-right mark
+    # before a line made the translation of another sentence); inside a line they stay
+    assert text_lines(joined.encode(), "x", "the file") == ["a", "b \u200bc", "", "", "d"]
+    assert text_lines("\u200eEin Mann.\u200f\n\ufeff\ufeffZwei\u2060\n".encode(), "x", "the file") == [
+        "Ein Mann.",
+        "Zwei",
+    ]
     # stop 55: with whitespace between invisible characters too
     spaced = "\u200b \u200b \u200b\n\u200b\u00a0\u200b\u00a0\u200b\n"
     assert text_lines(spaced.encode(), "x", "the file") == ["", ""]
-    # stop 62: letters drawn as blanks (Hangul fillers, the blank braille pattern); a line with a
-    # Hangul syllable beside them is text
+    # stop 62: letters drawn as blanks (Hangul fillers, the blank braille pattern), at the ends of
+    # a line with text too
     blanks = "\u3164\u3164\n\u2800 \u2800\n\uffa0\u115f\u1160\n\u3164\ud55c\n"
-    assert text_lines(blanks.encode(), "x", "the file") == ["", "", "", "\u3164\ud55c"]
+    assert text_lines(blanks.encode(), "x", "the file") == ["", "", "", "\ud55c"]
 
 
 def test_invisible_lines_are_empty_data_lines_and_references_not_in_nfc_warn(
@@ -369,10 +375,12 @@ def test_lines_of_other_invisible_format_characters_are_empty() -> None:
         "\x1b\x7f",
     ):
         assert clean_line(invisible) == "", repr(invisible)
-    assert text_lines("\u200e\nDer Hund.\u200e\n\u200fa\n".encode(), "x", "the file") == [
+    # at either end of a line with text they go too since stop 62; inside it they stay
+    assert text_lines("\u200e\nDer Hund.\u200e\n\u200fa\na\u200fb\n".encode(), "x", "the file") == [
         "",
-        "Der Hund.\u200e",
-        "\u200fa",
+        "Der Hund.",
+        "a",
+        "a\u200fb",
     ]
 
 
