@@ -189,8 +189,9 @@ def _checked_line(text: str, source: str, number: int, what: str) -> str:
     line = clean_line(text)
     if "\r" in line:
         raise DataError(
-            f"{source}: line {number} holds a carriage return: lines that end in CR alone (classic Mac OS) "
-            f"are not read as lines; convert {what} to LF or CRLF line ends"
+            f"{source}: line {number} holds a carriage return: a line break inside a line (a spreadsheet cell's), "
+            f"or lines that end in CR alone (classic Mac OS), which are not read as lines; remove it, "
+            f"or convert {what} to LF or CRLF line ends"
         )
     return line
 
