@@ -2060,6 +2060,10 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
     Under torchrun (WORLD_SIZE > 1) every process runs this with the same arguments and trains
     one DDP replica; rank 0 alone writes the run directory and logs."""
     ranks = Ranks.from_env()
+    # the device first: `train.device: cuda` on a machine without CUDA started the whole Multi30k
+    # download before it was refused (stop 62)
+    device = rank_device(cfg.train.device, ranks)
+    amp_dtype(device, cfg.train.amp)
     cfg = resolve_config(cfg)  # on resume too: a --set data.dir is recorded as the directory used
     if ranks.is_main and run_dir.is_dir():  # in use: said first, before what its state would say
         with ckpt_io.run_dir_lock(run_dir):
@@ -2073,8 +2077,6 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
         if source is not None:  # recorded as the checkpoint it is: a relative path in config.yaml was
             # another run's, or none, once the config was used from another directory
             cfg = replace(cfg, train=replace(cfg.train, init_from=str(source[1])))
-    device = rank_device(cfg.train.device, ranks)
-    amp_dtype(device, cfg.train.amp)
     data_dir = Path(cfg.data.dir)  # resolved above
     early = _HeldWarnings()  # the data's warnings, for train.log once it is open (stop 62: lost there)
     logging.getLogger("mtx").addHandler(early)

@@ -35,7 +35,7 @@ from mtx.train import (
     training_loss,
 )
 
-from .conftest import tiny_args
+from .conftest import REPO, tiny_args
 
 
 def test_inverse_sqrt_schedule_warms_up_then_decays() -> None:
@@ -720,3 +720,16 @@ def test_resume_takes_eval_sentences_that_pick_the_same_val_pairs(tmp_path: Path
         == 0
     )
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"] == 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
+def test_a_device_that_is_not_here_is_refused_before_the_data_is_sought(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`train.device: cuda` on a machine without CUDA started the whole Multi30k download before it
+    was refused (stop 62): here $MTX_DATA_DIR lacks the files, which would be said first."""
+    monkeypatch.setenv("MTX_DATA_DIR", str(tmp_path))
+    argv = ["train", "--config", str(REPO / "configs" / "tiny.yaml"), "--run-dir", str(tmp_path / "run")]
+    assert main([*argv, "--set", "train.device=cuda"]) == 1
+    assert "cuda requested but no CUDA device is available" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
