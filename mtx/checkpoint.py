@@ -207,13 +207,14 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a regular file; give RUN/checkpoints/NAME.pt")
     if not path.is_file():
         raise CheckpointError(not_found(path, "checkpoint"))
+    removed = f"{path}: removed as mtx began to read it (a training's train.keep_last?)"
     try:
         with zipfile.ZipFile(path) as archive:
             odd_member, bad_member = _unlike_torch_save(archive), archive.testzip()
     except PermissionError as e:  # (stop 54: called corrupted, which could get a good file deleted)
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
     except FileNotFoundError:  # (stop 62: "truncated or corrupted" of a file a training had just removed)
-        raise CheckpointError(f"{path}: removed as mtx began to read it (a training's train.keep_last?)") from None
+        raise CheckpointError(removed) from None
     except Exception:  # noqa: BLE001 - whatever a damaged archive raises (stop 62: NotImplementedError, zlib.error)
         raise CheckpointError(
             f"{path}: truncated or corrupted checkpoint (not a complete torch.save archive); refused to load"
@@ -235,7 +236,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             "only use checkpoints written by mtx"
         ) from None
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: removed as mtx began to read it (a training's train.keep_last?)") from None
+        raise CheckpointError(removed) from None
     except Exception as e:  # noqa: BLE001 - whatever a damaged archive raises in torch's reader
         raise CheckpointError(f"{path}: truncated or corrupted checkpoint ({e.__class__.__name__})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
@@ -381,6 +382,7 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
             raise CheckpointError(f"{run_dir}: no checkpoints yet; train it first: {start}")
         checkpoints = [default]
     members = []
+    check = member_check(cfg, src_tok, tgt_tok)
     for path in checkpoints:
         meant = next((c for c in (checkpoint_dir(run_dir) / path, run_dir / path) if c.is_file()), None)
         if not path.is_absolute() and not path.exists() and not path.is_symlink() and meant is not None:
@@ -393,8 +395,7 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
                 "random or train.init_from's); its next checkpoint comes at its first validation",
                 path,
             )
-        check_direction(ckpt, path, cfg)
-        check_same_model(ckpt, path, vocab_fingerprint(src_tok, tgt_tok), cfg.model)  # before building it
+        check(ckpt, path)
         member = build_model(cfg, src_tok, tgt_tok, saved_output_ids(ckpt, path, cfg))
         check_shapes(ckpt, path, member)
         member.load_state_dict(ckpt["model"])
@@ -411,17 +412,15 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
     return LoadedRun(cfg, ensemble, src_tok, tgt_tok, list(checkpoints))
 
 
-def run_member_check(run_dir: Path) -> Callable[[dict[str, Any], Path], None]:
-    """The checks `load_run` makes of each checkpoint against the run (direction, vocabulary, model
-    settings), for each member of an average: before stop 62 only the first member's settings
-    were compared, so a step_N.pt of another direction or n_heads was averaged in silently."""
-    cfg = load_run_config(run_dir)
-    src_tok, tgt_tok = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
+def member_check(cfg: Config, src_tok: BPE, tgt_tok: BPE) -> Callable[[dict[str, Any], Path], None]:
+    """The checks of a checkpoint against its run (direction, vocabulary, model settings), made of
+    each member by `load_run` and by an average: before stop 62 an average compared only its first
+    member's settings, so a step_N.pt of another direction or n_heads was averaged in silently."""
     vocab = vocab_fingerprint(src_tok, tgt_tok)
 
     def check(ckpt: dict[str, Any], path: Path) -> None:
         check_direction(ckpt, path, cfg)
-        check_same_model(ckpt, path, vocab, cfg.model)
+        check_same_model(ckpt, path, vocab, cfg.model)  # before a model is built for it
 
     return check
 
@@ -430,7 +429,7 @@ def average_checkpoints(
     paths: list[Path], check: Callable[[dict[str, Any], Path], None] | None = None
 ) -> dict[str, Any]:
     """Element-wise mean of the model weights of several checkpoints of one run, each first given
-    to `check` (`run_member_check`) where one is passed.
+    to `check` (`member_check`) where one is passed.
 
     Averaging the last few checkpoints of a run smooths the noise of the final updates and
     usually adds a little BLEU (Vaswani et al. averaged the last 5 or 20)."""
@@ -491,9 +490,9 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
             f"--out {out}: training writes and reads that file; write the average elsewhere "
             "(the default, or --as-best to make it best.pt while keeping the best single checkpoint)"
         )
-    payload = average_checkpoints(chosen, run_member_check(run_dir))
     cfg = load_run_config(run_dir)
     src_tok, tgt_tok = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
+    payload = average_checkpoints(chosen, member_check(cfg, src_tok, tgt_tok))
     model = build_model(cfg, src_tok, tgt_tok, saved_output_ids(payload, chosen[-1], cfg))
     check_shapes(payload, chosen[-1], model)
     atomic_save(payload, out)

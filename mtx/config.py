@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from mtx.errors import CheckpointError, ConfigError, not_found
+from mtx.errors import CheckpointError, ConfigError, command_line, not_found, own_command
 from mtx.errors import shown as _shown
 
 
@@ -754,8 +754,8 @@ def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> Config
         if (run_dir / "checkpoints" / "last.pt").is_file():  # (stop 62: "is this an mtx run directory?")
             raise CheckpointError(
                 f"{run_dir}: {CONFIG_FILE} is missing, though the run's checkpoints are here; restore it from a "
-                f"copy, or let `mtx train --run-dir {run_dir} --resume` write it from last.pt (it trains on "
-                "if the run has not ended)"
+                f"copy, or let `{command_line(*own_command(), 'train', '--run-dir', run_dir, '--resume')}` write "
+                "it from last.pt (it trains on if the run has not ended)"
             )
         raise CheckpointError(f"{run_dir}: no {CONFIG_FILE}; is this an mtx run directory?")
     return load_config(path, overrides, whole=True)

@@ -150,7 +150,7 @@ def clean_line(text: str) -> str:
     sentence, and passed the data's empty-line check), whitespace between them too (stop 55), and
     invisible characters at either end go with the whitespace (stop 62: a left-to-right mark, which
     bidi-aware editors put before a line, made a translation of another sentence)."""
-    start, end = 0, len(text)  # (stop 62: a left-to-right mark before a line changed its translation)
+    start, end = 0, len(text)
     while start < end and (text[start].isspace() or _invisible(text[start])):
         start += 1
     while end > start and (text[end - 1].isspace() or _invisible(text[end - 1])):

@@ -2078,16 +2078,16 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
             # another run's, or none, once the config was used from another directory
             cfg = replace(cfg, train=replace(cfg.train, init_from=str(source[1])))
     data_dir = Path(cfg.data.dir)  # resolved above
+    mtx_log = logging.getLogger("mtx")
     early = _HeldWarnings()  # the data's warnings, for train.log once it is open (stop 62: lost there)
-    logging.getLogger("mtx").addHandler(early)
+    mtx_log.addHandler(early)
     try:
         corpus = load_corpus(data_dir, cfg.data, [cfg.data.train_split, cfg.data.valid_split])
         extra_texts = extra_source_texts(data_dir, cfg.data)  # like the corpus: read before anything is written
     finally:
-        logging.getLogger("mtx").removeHandler(early)
+        mtx_log.removeHandler(early)
     if ranks.world_size > 1:
         start_process_group(device, ranks)
-    mtx_log = logging.getLogger("mtx")
     level = mtx_log.level
     handler = None
     last = None  # the run's last.pt on resume, read by rank 0 to check the --set changes

@@ -42,8 +42,8 @@ from mtx.checkpoint import (  # noqa: E402
     load_checkpoint,
     load_run,
     make_best,
+    member_check,
     restore_best_single,
-    run_member_check,
     step_checkpoints,
 )
 from mtx.cli import refuse_repeats, thread_count, usable_cpus  # noqa: E402
@@ -202,7 +202,7 @@ def choose(args: argparse.Namespace) -> None:
     add(start_name, run.model, single_ckpt, f" ({single.name}, step {single_ckpt.get('step')})")
     for n in sorted(set(args.last)):
         if 1 <= n <= len(steps):
-            payload = average_checkpoints(steps[-n:], run_member_check(args.run))
+            payload = average_checkpoints(steps[-n:], member_check(cfg, run.src_tok, run.tgt_tok))
             add(f"average of the last {n}", with_weights(payload), payload)
     if (ckpts / "ema.pt").is_file():  # the moving average of the weights (train.ema)
         payload = load_checkpoint(ckpts / "ema.pt")
