@@ -521,9 +521,8 @@ def test_patience_decides_as_a_straight_run_when_the_run_is_trained_in_parts(tmp
     refused to train on, where the straight run of test_patience_... stops at 4 (stop 62)."""
     run = tmp_path / "parts"
     extra = ["--set", "train.eval_every=2", "--set", "train.patience=1", "--set", "train.lr=1e-12"]
-    assert (
-        main(tiny_args(small_data, run, *extra, "--set", "train.max_steps=3", "--set", "train.eval_sentences=20")) == 0
-    )
+    extra += ["--set", "train.eval_sentences=20"]
+    assert main(tiny_args(small_data, run, *extra, "--set", "train.max_steps=3")) == 0
     assert "done: reached train.max_steps=3, at step 3" in (run / "train.log").read_text()
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=1000"]) == 0
     assert "no val BLEU gain in 1 evaluations (train.patience), at step 4" in (run / "train.log").read_text()
@@ -704,21 +703,8 @@ def test_resume_takes_eval_sentences_that_pick_the_same_val_pairs(tmp_path: Path
     """5,000 and 0 (all) of 30 val pairs are the same pairs: the resume was refused (stop 62)."""
     run = tmp_path / "run"
     assert main(tiny_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_sentences=5000")) == 0
-    assert (
-        main(
-            [
-                "train",
-                "--run-dir",
-                str(run),
-                "--resume",
-                "--set",
-                "train.max_steps=4",
-                "--set",
-                "train.eval_sentences=0",
-            ]
-        )
-        == 0
-    )
+    resume = ["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=4"]
+    assert main([*resume, "--set", "train.eval_sentences=0"]) == 0
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"] == 4
 
 
