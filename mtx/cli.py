@@ -511,6 +511,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
                 progress=bar.update,
                 # an n-best list of different texts: segmentations of one text count once
                 text_key=(lambda ids: run.tgt_tok.decode_batch([ids])[0]) if args.nbest > 1 else None,
+                first_line=before + 1,
             )
             with named_os_errors("standard output"):
                 for i, h in enumerate(hyps, before):
@@ -745,7 +746,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
     cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
     from mtx.checkpoint import atomic_write_text, checkpoint_dir, run_files
-    from mtx.data import eval_split_files, read_lines, read_parallel, warn_unless_nfc
+    from mtx.data import eval_split_files, read_lines, read_parallel, warn_of_invisible_ends, warn_unless_nfc
     from mtx.plot import parent_directories, written_through
     from mtx.search import translate
 
@@ -753,7 +754,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.src is not None:
         # a blank segment translates to an empty line, as in translate (stop 62: refused, and
         # removing it made the hypotheses one line short of other systems' for --paired)
-        src, ref = read_parallel(args.src, args.ref, allow_empty=True)
+        src, ref = read_parallel(args.src, args.ref, allow_empty=True, as_scored=True)
         name = args.src.name.removesuffix(".gz")
         split_files: tuple[Path | None, Path | None] = (None, None)
     else:
@@ -761,9 +762,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if not data_dir.is_dir():
             raise MtxError(f"{not_found(data_dir, 'data directory')}; pass --data-dir DIR or --src/--ref files")
         split_files = eval_split_files(data_dir, args.split, cfg.data.src_lang, cfg.data.tgt_lang)
-        src, ref = read_parallel(*split_files, allow_empty=True)
+        src, ref = read_parallel(*split_files, allow_empty=True, as_scored=True)
         name = args.split
     warn_unless_nfc(ref, str(args.ref or split_files[1]))
+    warn_of_invisible_ends(ref, str(args.ref or split_files[1]))
     data = cfg.data
     trained = [Path(data.dir) / f"{data.train_split}.{data.src_lang}{gz}" for gz in ("", ".gz")]
     if (args.src is None and args.split == data.train_split) or (
@@ -783,7 +785,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
             f"in sacreBLEU; pass --bootstrap {MAX_RESAMPLED // len(src)} or fewer"
         )
     # the other systems' outputs, read and counted before decoding: a wrong file fails at once
-    others = [(str(path), read_lines(path, allow_empty=True)) for path in args.paired]
+    others = [(str(path), read_lines(path, allow_empty=True, as_scored=True)) for path in args.paired]
+    for path, lines in others:
+        warn_of_invisible_ends(lines, f"--paired {path}", "output")
     for path, lines in others:
         if len(lines) != len(src):
             raise MtxError(f"--paired {path}: {len(lines)} lines for the {len(src)} sentences of {name}")

@@ -13,7 +13,7 @@ import re
 import select
 import unicodedata
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -110,8 +110,10 @@ _OTHER_COMPRESSIONS = [
 ]
 
 
-def read_lines(path: str | Path, allow_empty: bool = False) -> list[str]:
-    """Read a UTF-8 text file (optionally .gz), one stripped sentence per line."""
+def read_lines(path: str | Path, allow_empty: bool = False, as_scored: bool = False) -> list[str]:
+    """Read a UTF-8 text file (optionally .gz), one sentence per line, cleaned by `clean_line`;
+    `as_scored`: only stripped of trailing whitespace, as sacreBLEU reads references and system
+    outputs (invisible characters kept), for the texts `mtx eval` scores."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -125,7 +127,7 @@ def read_lines(path: str | Path, allow_empty: bool = False) -> list[str]:
         raise DataError(not_found(path, "file")) from None
     except (OSError, EOFError, zlib.error) as e:  # zlib.error: damaged compressed data behind a good header
         raise DataError(f"{path}: cannot read ({e})") from None
-    lines = text_lines(raw, str(path), "the file")
+    lines = text_lines(raw, str(path), "the file", str.rstrip if as_scored else clean_line)
     if not allow_empty:
         for i, line in enumerate(lines):
             if not line:
@@ -182,11 +184,11 @@ def _invisible(char: str) -> bool:
     )
 
 
-def _checked_line(text: str, source: str, number: int, what: str) -> str:
-    """`clean_line`, and a carriage return left inside it a `DataError` (stop 53: a file of
+def _checked_line(text: str, source: str, number: int, what: str, clean: Callable[[str], str] = clean_line) -> str:
+    """`clean(text)`, and a carriage return left inside it a `DataError` (stop 53: a file of
     CR-only line ends was read as one line, a whole corpus as one pair; stop 54: on standard
     input too)."""
-    line = clean_line(text)
+    line = clean(text)
     if "\r" in line:
         raise DataError(
             f"{source}: line {number} holds a carriage return: a line break inside a line (a spreadsheet cell's), "
@@ -196,10 +198,10 @@ def _checked_line(text: str, source: str, number: int, what: str) -> str:
     return line
 
 
-def text_lines(raw: bytes, source: str, what: str) -> list[str]:
-    """UTF-8 bytes -> lines as `clean_line` cleans them (a last newline ends the last line, it
-    does not start an empty one); bytes that are not UTF-8 are a `DataError` naming `source` and
-    the line."""
+def text_lines(raw: bytes, source: str, what: str, clean: Callable[[str], str] = clean_line) -> list[str]:
+    """UTF-8 bytes -> lines as `clean` cleans them (a last newline ends the last line, it does
+    not start an empty one); bytes that are not UTF-8 are a `DataError` naming `source` and the
+    line."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -207,7 +209,25 @@ def text_lines(raw: bytes, source: str, what: str) -> list[str]:
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    return [_checked_line(line, source, i, what) for i, line in enumerate(lines, 1)]
+    return [_checked_line(line, source, i, what, clean) for i, line in enumerate(lines, 1)]
+
+
+def warn_of_invisible_ends(lines: Sequence[str], source: str, what: str = "reference") -> None:
+    """Warn where scored lines (`read_lines(as_scored=True)`) begin or end with invisible
+    characters: they are scored as they are, as sacreBLEU scores the same file, and cost BLEU
+    and chrF, since translations never hold them (stop 63: mtx removed them without a word, and
+    printed 24.26 where sacreBLEU on the same files gave 19.78)."""
+    count = sum(clean_line(line) != line.strip() for line in lines)
+    if count:
+        log.warning(
+            "%s: %d of %d %s lines begin or end with invisible characters (a byte order mark, zero-width "
+            "spaces, direction marks, control characters): they are scored as they are, as sacreBLEU scores "
+            "this file, and lower BLEU and chrF; remove them from the file for a fair score",
+            source,
+            count,
+            len(lines),
+            what,
+        )
 
 
 def warn_unless_nfc(lines: Sequence[str], source: str) -> None:
@@ -267,10 +287,13 @@ def stream_lines(stream: BinaryIO, chunk: int, source: str, what: str) -> Iterat
         yield before, lines
 
 
-def read_parallel(src_path: Path, tgt_path: Path, allow_empty: bool = False) -> tuple[list[str], list[str]]:
+def read_parallel(
+    src_path: Path, tgt_path: Path, allow_empty: bool = False, as_scored: bool = False
+) -> tuple[list[str], list[str]]:
     """Two aligned files -> (source lines, target lines), checked for equal length; empty lines
-    only with `allow_empty` (a test set scored by `mtx eval`)."""
-    src, tgt = read_lines(src_path, allow_empty), read_lines(tgt_path, allow_empty)
+    only with `allow_empty` (a test set scored by `mtx eval`); `as_scored`: the target lines as
+    sacreBLEU reads references (`read_lines`)."""
+    src, tgt = read_lines(src_path, allow_empty), read_lines(tgt_path, allow_empty, as_scored)
     if len(src) != len(tgt):
         raise DataError(
             f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; "
@@ -493,9 +516,10 @@ def pad_ids(seqs: Sequence[Sequence[int]], prefix: int | None = None, suffix: in
 class ParallelIds:
     """A tokenised split: id lists per sentence, and the lengths batching sorts by."""
 
-    def __init__(self, src_ids: list[list[int]], tgt_ids: list[list[int]]) -> None:
+    def __init__(self, src_ids: list[list[int]], tgt_ids: list[list[int]], rows: list[int] | None = None) -> None:
         self.src_ids = src_ids
         self.tgt_ids = tgt_ids
+        self.rows = rows if rows is not None else list(range(len(src_ids)))  # `encode`: the input pairs kept
         self.src_lens = np.array([len(s) + 1 for s in src_ids], dtype=np.int64)  # + EOS
         self.tgt_lens = np.array([len(t) + 1 for t in tgt_ids], dtype=np.int64)  # + BOS/EOS
 
@@ -503,15 +527,32 @@ class ParallelIds:
     def encode(
         cls, src: Sequence[str], tgt: Sequence[str], src_tok: BPE, tgt_tok: BPE, max_len: int = 0
     ) -> ParallelIds:
-        """Tokenise; with max_len > 0, drop pairs longer than max_len tokens on either side."""
+        """Tokenise; with max_len > 0, drop pairs longer than max_len tokens on either side (`rows`:
+        the indices of the pairs kept)."""
         src_ids, tgt_ids = src_tok.encode_batch(src), tgt_tok.encode_batch(tgt)
+        keep = list(range(len(src_ids)))
         if max_len:
-            keep = [i for i in range(len(src_ids)) if len(src_ids[i]) <= max_len and len(tgt_ids[i]) <= max_len]
+            keep = [i for i in keep if len(src_ids[i]) <= max_len and len(tgt_ids[i]) <= max_len]
             if len(keep) < len(src_ids):
                 log.info("skipped %d pairs longer than %d tokens", len(src_ids) - len(keep), max_len)
             src_ids = [src_ids[i] for i in keep]
             tgt_ids = [tgt_ids[i] for i in keep]
-        return cls(src_ids, tgt_ids)
+        return cls(src_ids, tgt_ids, keep)
+
+    def resegmented(
+        self, src: Sequence[str], tgt: Sequence[str], src_tok: BPE, tgt_tok: BPE, max_len: int
+    ) -> ParallelIds:
+        """These pairs (`src`, `tgt`: their texts) tokenised again, by tokenizers with BPE-dropout;
+        a pair whose new pieces exceed max_len on either side keeps its pieces here, so that every
+        epoch trains on the same pairs, the long ones too.
+
+        (stop 63: each epoch's dropout segmentation was filtered by data.max_len again; its pieces
+        are more, so the longest pairs dropped out, 24% of train at max_len 40 and dropout 0.3)"""
+        src_ids, tgt_ids = src_tok.encode_batch(src), tgt_tok.encode_batch(tgt)
+        for i, (s, t) in enumerate(zip(src_ids, tgt_ids, strict=True)):
+            if len(s) > max_len or len(t) > max_len:
+                src_ids[i], tgt_ids[i] = self.src_ids[i], self.tgt_ids[i]
+        return ParallelIds(src_ids, tgt_ids)
 
     def __len__(self) -> int:
         return len(self.src_ids)

@@ -217,6 +217,7 @@ def beam_search(
     use_cache: bool = True,
     stop: str = "exact",
     text_key: Callable[[list[int]], object] | None = None,
+    first_line: int = 1,
 ) -> list[list[Hypothesis]]:
     """Batched beam search of a (B, S) batch; per sentence the `nbest` best hypotheses.
 
@@ -362,12 +363,22 @@ def _decode_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]
     return batches
 
 
-def within_positions(src_ids: Sequence[Sequence[int]], model: Seq2Seq | Ensemble) -> list[list[int]]:
-    """Source ids cut to the model's positions (room left for EOS), with a warning where any was."""
+def within_positions(
+    src_ids: Sequence[Sequence[int]], model: Seq2Seq | Ensemble, first_line: int = 1
+) -> list[list[int]]:
+    """Source ids cut to the model's positions (room left for EOS), with a warning that names the
+    lines cut (numbered from `first_line`), the first ten of them."""
     limit = model.cfg.max_positions - 1
-    truncated = sum(len(s) > limit for s in src_ids)
-    if truncated:
-        log.warning("%d input sentence(s) longer than %d tokens were truncated (model.max_positions)", truncated, limit)
+    cut = [i for i, s in enumerate(src_ids, first_line) if len(s) > limit]
+    if cut:
+        # (stop 63: the warning gave only a count, and finding the lines meant tokenising the input)
+        where = ", ".join(map(str, cut[:10])) + (f" and {len(cut) - 10} more" if len(cut) > 10 else "")
+        log.warning(
+            "%d input sentence(s) longer than %d tokens were truncated (model.max_positions): line(s) %s",
+            len(cut),
+            limit,
+            where,
+        )
     return [list(s[:limit]) for s in src_ids]
 
 
@@ -386,6 +397,7 @@ def translate_ids(
     stop: str = "exact",
     progress: Callable[[int], object] | None = None,
     text_key: Callable[[list[int]], object] | None = None,
+    first_line: int = 1,
 ) -> list[list[Hypothesis]]:
     """Decode many tokenised sentences (without EOS) in length-sorted batches; input order kept.
     `text_key`: as `beam_search`'s (an n-best list of different texts).
@@ -394,9 +406,10 @@ def translate_ids(
     truncated (with a warning). Batches are decoded on `workers` threads (0: auto, see
     `decode_workers`); the hypotheses do not depend on it (tests/test_search.py). `progress`,
     where given, is called with each count of sentences done (a progress bar's `update`).
+    `first_line`: the input line number of `src_ids[0]`, for the truncation warning.
     """
     device = device or next(model.parameters()).device
-    src_ids = within_positions(src_ids, model)
+    src_ids = within_positions(src_ids, model, first_line)
     # an empty input's only translation is empty: `nbest` of it, so that every input gets as many
     results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] * nbest for _ in src_ids]
     todo = [i for i, s in enumerate(src_ids) if s]

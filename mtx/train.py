@@ -788,7 +788,8 @@ class Trainer:
                 run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang
             )
         self.train_ids = ParallelIds.encode(train_src, train_tgt, self.src_tok, self.tgt_tok, cfg.data.max_len)
-        self.train_texts = (train_src, train_tgt)
+        rows = self.train_ids.rows  # the texts of the pairs kept, for BPE-dropout's segmentations
+        self.train_texts = ([train_src[i] for i in rows], [train_tgt[i] for i in rows])
         if not len(self.train_ids):
             raise MtxError(
                 f"data.max_len={cfg.data.max_len}: all {len(train_src)} training pairs are longer than that "
@@ -1193,7 +1194,13 @@ class Trainer:
             if whole_epoch and seen < tc.accum_steps:  # not one update: the loop would never end
                 pairs = len(self._epoch_ids(self.state.epoch))
                 raise MtxError(too_few_batches(pairs, seen, tc, self.ranks.world_size))
-            if group:  # an epoch's leftover micro-batches are dropped so resume stays exact
+            if group:
+                # an epoch's leftover micro-batches make one smaller update (stop 63: they were
+                # dropped, up to accum_steps - 1 batches of every epoch never trained on); the loss
+                # is normalised by the group's own target tokens, and resume stays exact (the
+                # position is then the epoch's end)
+                self.state.batch += len(group)
+                yield group
                 group = []
             self.state.epoch += 1
             self.state.batch = 0
@@ -1343,7 +1350,7 @@ class Trainer:
                     src_tok = self.src_tok.with_dropout(p)
                     tgt_tok = src_tok if self.tgt_tok is self.src_tok else self.tgt_tok.with_dropout(p)
                     self.dropout_toks = (src_tok, tgt_tok)
-                return ParallelIds.encode(*self.train_texts, *self.dropout_toks, self.cfg.data.max_len)
+                return self.train_ids.resegmented(*self.train_texts, *self.dropout_toks, self.cfg.data.max_len)
 
             self.epoch_ids = (epoch, self._ids_from_main(segment))
         return self.epoch_ids[1]

@@ -133,3 +133,37 @@ def test_the_bootstrap_memory_guard_counts_what_sacrebleu_holds(refs: list[str])
     for paired in (False, True):  # bytes per resampled sentence: the growth from 200 to 600 resamples
         per_sentence = (peak(600, paired) - peak(200, paired)) / (400 * len(refs))
         assert 40 < per_sentence <= BYTES_PER_RESAMPLED
+
+
+def test_references_are_scored_as_sacrebleu_reads_them(
+    tiny_run: Path, shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Invisible characters at a reference line's ends are kept, with a warning: BLEU is what the
+    sacreBLEU CLI gives for the same files (stop 63: they were removed without a word, 24.26
+    printed where sacreBLEU gave 19.78)."""
+    import sacrebleu
+
+    with gzip.open(shared_data / "val.de.gz", "rt", encoding="utf-8") as f:
+        src = [line.strip() for line, _ in zip(f, range(40), strict=False)]
+    with gzip.open(shared_data / "val.en.gz", "rt", encoding="utf-8") as f:
+        refs = [line.strip() for line, _ in zip(f, range(40), strict=False)]
+    (tmp_path / "src.de").write_text("\n".join(src) + "\n", encoding="utf-8")
+    marked = ["\u200e" + r + "\u200b " for r in refs[:30]] + refs[30:]  # a direction mark, a zero-width space
+    (tmp_path / "ref.en").write_text("\ufeff" + "\n".join(marked) + "\n", encoding="utf-8")
+    hyps = tmp_path / "hyps.en"
+    args = ["eval", "--run", str(tiny_run), "--src", str(tmp_path / "src.de"), "--beam", "1", "--json"]
+    assert main([*args, "--ref", str(tmp_path / "ref.en"), "--output", str(hyps)]) == 0
+    out, err = capsys.readouterr()
+    scored = json.loads(out)
+    hyp_lines = hyps.read_text(encoding="utf-8").splitlines()
+    as_read = ["\ufeff" + marked[0].rstrip()] + [r.rstrip() for r in marked[1:]]
+    assert scored["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyp_lines, [as_read]).score, abs=0.005)
+    assert "30 of 40 reference lines begin or end with invisible characters" in err
+    # the clean file: no warning, a higher score; another system's output is read the same way
+    (tmp_path / "clean.en").write_text("\n".join(refs) + "\n", encoding="utf-8")
+    (tmp_path / "other.en").write_text("\n".join("\u200b" + h for h in hyp_lines) + "\n", encoding="utf-8")
+    assert main([*args, "--ref", str(tmp_path / "clean.en"), "--paired", str(tmp_path / "other.en")]) == 0
+    out, err = capsys.readouterr()
+    clean = json.loads(out)
+    assert clean["bleu"] > scored["bleu"] and "reference lines begin or end" not in err
+    assert f"--paired {tmp_path / 'other.en'}: 40 of 40 output lines begin or end with invisible" in err

@@ -35,7 +35,7 @@ from mtx.checkpoint import (
 )
 from mtx.cli import main
 from mtx.config import TokenizerConfig, load_config
-from mtx.data import ParallelIds, read_lines
+from mtx.data import ParallelIds, epoch_length, read_lines
 from mtx.errors import MtxError, command_line, own_command
 from mtx.tokenizer import train_bpe
 
@@ -219,6 +219,30 @@ def test_bpe_dropout_resegments_each_epoch_and_a_resumed_epoch_keeps_its_own(tmp
     assert fresh.tgt_ids != resumed.tgt_ids and fresh.tgt_ids != trainer.train_ids.tgt_ids
     assert trainer.tgt_tok.decode_batch(fresh.tgt_ids) == trainer.train_texts[1]  # same sentences, resegmented
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=14"]) == 0
+
+
+def test_an_epochs_leftover_micro_batches_make_one_smaller_update_and_resume_exactly(
+    tmp_path: Path, mini_data: Path
+) -> None:
+    """With train.accum_steps, the batches an epoch has left after its last full update make one
+    more update (stop 63: they were dropped, and up to accum_steps - 1 batches of every epoch
+    were never trained on); a run stopped right after it resumes into the same weights."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    common = ("--set", "train.accum_steps=4", "--set", "train.max_epochs=2", "--set", "train.eval_every=1000")
+    assert main(mini_args(mini_data, straight, *common)) == 0
+    trainer = train_module.Trainer(load_config(straight / "config.yaml"), straight, resume=True)
+    tc = trainer.cfg.train
+    batches = [epoch_length(trainer.train_ids, tc.batch_tokens, tc.seed, epoch) for epoch in (0, 1)]
+    assert any(b % 4 for b in batches)  # an epoch with leftovers (9 batches an epoch or so)
+    a = load_weights_only(straight / "checkpoints" / "last.pt")
+    assert a["state"]["step"] == sum(math.ceil(b / 4) for b in batches) and a["state"]["epoch"] == 2
+    # stopped after the first epoch's last (smaller) update, then resumed to the end
+    first = math.ceil(batches[0] / 4)
+    assert main(mini_args(mini_data, split, *common, "--set", f"train.max_steps={first}")) == 0
+    assert main(["train", "--run-dir", str(split), "--resume", "--set", "train.max_steps=10000"]) == 0
+    b = load_weights_only(split / "checkpoints" / "last.pt")
+    assert b["state"]["step"] == a["state"]["step"]
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
 def straight_and_split_at_25(tmp_path: Path, data: Path, *common: str) -> tuple[dict, dict]:
@@ -1681,13 +1705,21 @@ def test_documented_non_errors(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) 
     """An empty input line gives an empty output line; an overlong one is truncated with a warning."""
     long = " ".join(["Ein Mann fährt Fahrrad."] * 80)
     r = mtx_here(
-        monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", stdin=f"Ein Hund.\n\n{long}\n".encode()
+        monkeypatch,
+        "translate",
+        "--run",
+        str(tiny_run),
+        "--beam",
+        "1",
+        "--buffer-lines",
+        "2",  # the long line in the second buffer: still named by its line in the input
+        stdin=f"Ein Hund.\n\n{long}\n".encode(),
     )
     err = r.stderr.decode()
     out = r.stdout.decode().split("\n")
     assert r.returncode == 0 and "mtx: error" not in err, err
     assert len(out) == 4 and out[0] and out[1] == "" and out[2] and out[3] == ""
-    assert "1 input sentence(s) longer than 159 tokens were truncated (model.max_positions)" in err
+    assert "1 input sentence(s) longer than 159 tokens were truncated (model.max_positions): line(s) 3\n" in err
 
 
 def test_translating_with_a_step_0_checkpoint_is_warned(

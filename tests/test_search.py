@@ -14,7 +14,7 @@ from mtx.checkpoint import LoadedRun, load_run
 from mtx.config import ModelConfig
 from mtx.data import pad_ids, read_lines
 from mtx.model import Ensemble, Seq2Seq, make_src_mask
-from mtx.search import beam_search, greedy_search, length_penalty, top_candidates, translate_ids
+from mtx.search import beam_search, greedy_search, length_penalty, top_candidates, translate_ids, within_positions
 from mtx.tokenizer import BOS, EOS, PAD
 
 
@@ -395,7 +395,13 @@ def test_length_penalty_and_output_cap_values(tiny_run: Path) -> None:
 def test_overlong_input_is_truncated_with_a_warning(run: LoadedRun, caplog: pytest.LogCaptureFixture) -> None:
     long = [7] * (run.model.cfg.max_positions + 20)
     hyps = translate_ids(run.model, [long], 2, 1.0, 1.2, 10, 100_000)
-    assert len(hyps) == 1 and "truncated" in caplog.text
+    assert len(hyps) == 1 and "truncated (model.max_positions): line(s) 1\n" in caplog.text + "\n"
+    # the lines cut are named by their number in the input, the first ten of them
+    caplog.clear()
+    cut = within_positions([[7]] + [long] * 12, run.model, first_line=101)
+    assert [len(s) for s in cut] == [1] + [run.model.cfg.max_positions - 1] * 12
+    assert "12 input sentence(s)" in caplog.text and "line(s) 102, 103, 104" in caplog.text
+    assert "110, 111 and 2 more" in caplog.text
 
 
 def test_restricted_output_emits_only_its_tokens(tiny_restricted_run: Path, small_data: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mtx.config import DataConfig, TokenizerConfig
-from mtx.data import load_corpus, texts
+from mtx.data import ParallelIds, load_corpus, texts
 from mtx.errors import CheckpointError
 from mtx.tokenizer import BOS, BPE, EOS, PAD, UNK, train_bpe, train_or_load
 
@@ -84,6 +84,15 @@ def test_bpe_dropout_resegments_over_the_same_vocabulary(shared_data: Path) -> N
     assert sum(map(len, plain)) < sum(map(len, first))  # skipped merges leave more, shorter pieces
     assert drop.decode_batch(first) == lines
     assert tok.encode_batch(lines) == plain  # the tokenizer it was copied from is unchanged
+    # an epoch's dropout segmentation keeps every pair data.max_len kept, a pair whose new pieces
+    # are too many keeping its plain ones (stop 63: filtered again, the longest pairs dropped out)
+    kept = ParallelIds.encode(lines, lines, tok, tok, max_len=20)
+    texts_kept = [lines[i] for i in kept.rows]
+    assert 0 < len(kept) < len(lines) and all(len(plain[i]) <= 20 for i in kept.rows)
+    again = kept.resegmented(texts_kept, texts_kept, tok.with_dropout(0.5), tok.with_dropout(0.5), 20)
+    assert len(again) == len(kept) and max(map(len, again.src_ids + again.tgt_ids)) <= 20
+    fell_back = [i for i, s in enumerate(again.src_ids) if s == kept.src_ids[i]]
+    assert len(fell_back) < len(kept) and tok.decode_batch(again.src_ids) == texts_kept
 
 
 def test_a_tokenizer_file_with_other_special_ids_is_named_and_a_small_vocabulary_is_a_warning(
