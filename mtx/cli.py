@@ -746,7 +746,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
     cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
     from mtx.checkpoint import atomic_write_text, checkpoint_dir, run_files
-    from mtx.data import eval_split_files, read_lines, read_parallel, warn_of_invisible_ends, warn_unless_nfc
+    from mtx.data import (
+        eval_split_files,
+        is_test_split,
+        read_lines,
+        read_parallel,
+        warn_of_invisible_ends,
+        warn_unless_nfc,
+    )
     from mtx.plot import parent_directories, written_through
     from mtx.search import translate
 
@@ -776,6 +783,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "%s is what the run was trained on (data.train_split %r): its score measures memory, not translation",
             name,
             cfg.data.train_split,
+        )
+    chosen_on = [Path(data.dir) / f"{data.valid_split}.{data.src_lang}{gz}" for gz in ("", ".gz")]
+    if is_test_split(data.valid_split) and (
+        (args.src is None and args.split == data.valid_split)
+        or (args.src is not None and _same_file(args.src, chosen_on))
+    ):
+        # (stop 63: training warned, eval scored best.pt on the same split without a word)
+        log.warning(
+            "%s is the run's data.valid_split (%r): its best.pt, patience and validations were chosen on it, "
+            "so its score is not a fair test",
+            name,
+            data.valid_split,
         )
     samples = args.bootstrap or (PAIRED_SAMPLES if args.paired else 0)
     if samples * len(src) > MAX_RESAMPLED:  # before decoding; sacreBLEU would run out of memory after it

@@ -83,8 +83,10 @@ class BPE:
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
 
 
-def train_bpe(texts: Iterable[str], cfg: TokenizerConfig) -> BPE:
-    """Train byte-level BPE with NFC normalisation and the four mtx special tokens."""
+def train_bpe(texts: Iterable[str], cfg: TokenizerConfig, lang: str = "") -> BPE:
+    """Train byte-level BPE with NFC normalisation and the four mtx special tokens (`lang`: the
+    language its log lines name, for one of two separate vocabularies)."""
+    of = f" of {lang}" if lang else ""  # (stop 63: the two lines of separate vocabularies looked alike)
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
@@ -99,15 +101,16 @@ def train_bpe(texts: Iterable[str], cfg: TokenizerConfig) -> BPE:
     tokenizer.train_from_iterator(texts, trainer=trainer)
     if tokenizer.get_vocab_size() < cfg.vocab_size:
         log.warning(
-            "trained BPE: %d pieces, fewer than tokenizer.vocab_size=%d (the training text has no more merges "
+            "trained BPE%s: %d pieces, fewer than tokenizer.vocab_size=%d (the training text has no more merges "
             "seen tokenizer.min_frequency=%d times); the model is built for %d",
+            of,
             tokenizer.get_vocab_size(),
             cfg.vocab_size,
             cfg.min_frequency,
             tokenizer.get_vocab_size(),
         )
     else:
-        log.info("trained BPE: %d pieces", tokenizer.get_vocab_size())
+        log.info("trained BPE%s: %d pieces", of, tokenizer.get_vocab_size())
     return BPE(tokenizer)
 
 
@@ -135,7 +138,7 @@ def train_or_load(
         tok = train_bpe(list(src_texts) + list(tgt_texts), cfg)
         tok.save(src_path)
         return tok, tok
-    src_tok, tgt_tok = train_bpe(src_texts, cfg), train_bpe(tgt_texts, cfg)
+    src_tok, tgt_tok = train_bpe(src_texts, cfg, src_lang), train_bpe(tgt_texts, cfg, tgt_lang)
     src_tok.save(src_path)
     tgt_tok.save(tgt_path)
     return src_tok, tgt_tok

@@ -936,7 +936,17 @@ def test_training_on_a_test_split_and_scoring_the_training_split_are_warned(
         assert r.returncode == 0, r.stderr.decode()
         assert "is what the run was trained on (data.train_split 'train')" in r.stderr.decode()
     r = mtx_here(monkeypatch, "eval", "--run", str(tiny_run), "--split", "val", "--output", str(tmp_path / "h.en"))
-    assert r.returncode == 0 and "trained on" not in r.stderr.decode()
+    assert r.returncode == 0 and "trained on" not in r.stderr.decode() and "valid_split" not in r.stderr.decode()
+    # a test split the run validated on: its checkpoints were chosen on it (stop 63: not warned)
+    (tmp_path / "run" / "config.yaml").write_text(
+        (tmp_path / "run" / "config.yaml").read_text().replace("valid_split: val", "valid_split: test_2016_flickr")
+    )
+    test_files = ["--src", str(small_data / "test_2016_flickr.de"), "--ref", str(small_data / "test_2016_flickr.en")]
+    for how in (["--split", "test_2016_flickr"], test_files):
+        r = mtx_here(monkeypatch, "eval", "--run", str(tmp_path / "run"), *how, "--output", str(tmp_path / "h.en"))
+        assert r.returncode == 0, r.stderr.decode()
+        assert "is the run's data.valid_split ('test_2016_flickr')" in r.stderr.decode()
+        assert "not a fair test" in r.stderr.decode()
 
 
 def test_score_text_keeps_four_significant_digits_near_zero() -> None:

@@ -301,6 +301,33 @@ def test_extra_source_languages_join_the_first_epochs_and_resume_exactly(
     assert extra.tgt_ids == real.tgt_ids and trainer.src_tok.decode_batch(extra.src_ids) == french
 
 
+def test_an_epochs_setup_counts_in_the_loops_time_but_not_in_throughput(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """train.diversify's translations and BPE-dropout's segmentations are made as an epoch starts:
+    the time budget counts them, tgt_tok_per_s does not (stop 63: a window with them logged a fifth
+    of its neighbours' rate). Each epoch's setup is made to take 1,000 s of a shifted clock."""
+    clock, shift = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock() + shift[0])
+    plan = train_module.Trainer._plan_diversify
+
+    def slow_plan(self: train_module.Trainer) -> None:
+        plan(self)
+        shift[0] += 1000.0
+
+    monkeypatch.setattr(train_module.Trainer, "_plan_diversify", slow_plan)
+    run = tmp_path / "run"
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=25", "--set", "train.eval_every=100")) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["event"] == "train"]
+    epochs = train[-1]["epoch"] + 1
+    assert len(train) == 25 and epochs >= 3 and shift[0] == 1000.0 * epochs
+    assert train[-1]["elapsed_s"] > 1000.0 * epochs  # the loop's time
+    # a step has at most train.batch_tokens=1500 target tokens: a window holding 1,000 s would
+    # show under 1.5 tok/s; every one is faster than 1,500 tokens in 500 s
+    assert min(r["tgt_tok_per_s"] for r in train) > 3.0
+
+
 def test_diversify_adds_the_models_translations_and_resumes_exactly(
     tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -736,6 +763,9 @@ def test_diverging_training_stops_and_keeps_the_last_good_checkpoint(
     assert "Traceback" not in err and len(lines) == 1, err
     assert "3 non-finite steps in a row after step 12 (train.max_bad_steps)" in lines[0]
     assert "last.pt from step 10 kept" in lines[0] and "train.lr" in lines[0]
+    # train.log says why the run ended too (stop 63: only stderr did)
+    logged = (run_dir / "train.log").read_text().splitlines()[-1]
+    assert " ERROR error: 3 non-finite steps in a row after step 12" in logged
     last = load_weights_only(run_dir / "checkpoints" / "last.pt")
     step_10 = load_weights_only(run_dir / "checkpoints" / "step_10.pt")
     assert last["step"] == 10 and last["state"]["skipped_steps"] == 0

@@ -48,9 +48,11 @@ def test_special_tokens_written_in_text_are_text_and_outputs_are_one_line(tmp_pa
     assert out == "a b c d e" and len(out.splitlines()) == 1
 
 
-def test_per_language_tokenizers_are_saved_and_reloaded(tmp_path: Path) -> None:
+def test_per_language_tokenizers_are_saved_and_reloaded(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg = TokenizerConfig(vocab_size=300, joint=False, min_frequency=1)
-    src, tgt = train_or_load(tmp_path, cfg, "de", "en", ["Hallo Welt"] * 5, ["Hello world"] * 5)
+    with caplog.at_level(logging.INFO, logger="mtx.tokenizer"):
+        src, tgt = train_or_load(tmp_path, cfg, "de", "en", ["Hallo Welt"] * 5, ["Hello world"] * 5)
+    assert "trained BPE of de: " in caplog.text and "trained BPE of en: " in caplog.text  # (stop 63)
     assert (tmp_path / "tokenizer.de.json").is_file() and (tmp_path / "tokenizer.en.json").is_file()
     src2, tgt2 = train_or_load(tmp_path, cfg, "de", "en", [], [])
     assert src2.fingerprint() == src.fingerprint() and tgt2.fingerprint() == tgt.fingerprint()
