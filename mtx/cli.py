@@ -861,10 +861,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "split": name,
         "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}",
         "beam": beam,
-        "length_penalty": alpha,
+        "length_penalty": alpha if beam > 1 else None,  # (greedy has none)
         "stop": stop,
         "precision": _precision(args, cfg),
-        "checkpoints": [str(p) for p in args.checkpoint],
+        # the files decoded with, the run's default one too (stop 63: [] unless --checkpoint was given)
+        "checkpoints": [str(p) for p in run.checkpoints],
+        "src_file": str(args.src or split_files[0]),
+        "ref_file": str(args.ref or split_files[1]),
         "sentences": len(src),
         **scores.as_dict(),
         "hypotheses": str(output),
@@ -878,17 +881,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
             result["bleu_lowercase_ci"] = round(low.bleu_ci, 2)
     if paired:
         result["paired"] = [r.as_dict() for r in paired]
+        result["paired_resamples"] = samples
     # the scores: an error here is standard output's (stop 54: a full disk was not named)
     with named_os_errors("standard output"):
         if args.json:
             print(json.dumps(result))
             return 0
-        stop_note = ", stop finished" if beam > 1 and stop == "finished" else ""
+        stop_note = f", length penalty {alpha:g}" if beam > 1 else ""
+        stop_note += ", stop finished" if beam > 1 and stop == "finished" else ""
         print(
             f"{name} {result['direction']} beam {beam}{stop_note}, {result['precision']} "
             f"({len(src)} sentences, {', '.join(map(str, run.checkpoints))})"
         )
         print(f"BLEU {scores.bleu:6.2f}{_interval(scores.bleu_mean, scores.bleu_ci)}  {scores.bleu_signature}")
+        print(f"     {scores.bleu_details}")
         if args.lowercase:
             print(f"BLEU {low.bleu:6.2f}{_interval(low.bleu_mean, low.bleu_ci)}  {low.bleu_signature}  (lowercased)")
         print(f"chrF {scores.chrf:6.2f}{_interval(scores.chrf_mean, scores.chrf_ci)}  {scores.chrf_signature}")

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import select
+import socket
 import unicodedata
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -309,6 +310,24 @@ def multi30k_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtx" / "multi30k"
 
 
+def download_reason(error: BaseException) -> str:
+    """Why a download failed, in a few words: the error at the root of `error`'s causes, where
+    one is a network error (stop 63: a machine without a network was told "FileNotFoundError:
+    URL", fsspec's wrapping of the failed name lookup, which reads as a file missing upstream)."""
+    root, seen = error, 0
+    while (root.__cause__ or root.__context__) is not None and seen < 20:
+        root, seen = root.__cause__ or root.__context__, seen + 1  # type: ignore[assignment]
+    if isinstance(root, socket.gaierror):
+        return f"no network: the host name cannot be resolved ({root.strerror or root})"
+    if root is not error and isinstance(root, (ConnectionError, TimeoutError)):
+        return f"no connection: {_gist(root)}"
+    return _gist(error)
+
+
+def _gist(error: BaseException) -> str:
+    return type(error).__name__ + (": " + str(error).splitlines()[0][:120] if str(error).strip() else "")
+
+
 def download_multi30k(
     dest: Path, files: Sequence[tuple[str, str]] = (), fix: str = "set data.dir to a local copy"
 ) -> Path:
@@ -323,8 +342,7 @@ def download_multi30k(
     try:
         local = datasets.DownloadManager(dataset_name="multi30k").download(urls)
     except Exception as e:  # network errors come in many classes
-        reason = e.__class__.__name__ + (": " + str(e).splitlines()[0][:120] if str(e).strip() else "")
-        raise DataError(f"cannot download Multi30k from {MULTI30K_SOURCE} ({reason}); {fix}") from None
+        raise DataError(f"cannot download Multi30k from {MULTI30K_SOURCE} ({download_reason(e)}); {fix}") from None
     dest.mkdir(parents=True, exist_ok=True)
     for name, path in local.items():
         tmp = dest / f".{name}.{os.getpid()}.tmp"  # one per process: two fetching at once never share one
@@ -428,7 +446,13 @@ def eval_split_files(data_dir: Path, split: str, src_lang: str, tgt_lang: str) -
     cache = multi30k_cache()
     # said each time, not only when fetched (stop 61: a run on the user's own corpus, whose data
     # directory has no test_2016_flickr, was scored on Multi30k's from the cache without a word)
-    log.warning("%s is not in %s: scoring the official Multi30k %s from %s", split, data_dir, split, cache)
+    log.warning(
+        "%s is not in %s: the official Multi30k %s is scored, from %s (fetched there first if not there)",
+        split,
+        data_dir,
+        split,
+        cache,
+    )
     try:
         return both(cache)
     except DataError:

@@ -37,6 +37,21 @@ class Scores:
     bleu_ci: float | None = None
     chrf_mean: float | None = None
     chrf_ci: float | None = None
+    # BLEU's parts, as sacreBLEU's verbose line gives them (stop 63: not shown, though they tell a
+    # too-short output, BP below 1, from a poor one)
+    bleu_precisions: tuple[float, ...] = ()
+    bleu_bp: float = 1.0
+    hyp_len: int = 0  # words after 13a tokenisation, hypotheses and references
+    ref_len: int = 0
+
+    @property
+    def bleu_details(self) -> str:
+        """sacreBLEU's verbose part of BLEU, the n-gram precisions, brevity penalty and lengths:
+        `57.0/31.5/17.7/9.9 (BP = 1.000 ratio = 1.024 hyp_len = 13606 ref_len = 13289)`."""
+        precisions = "/".join(f"{p:.1f}" for p in self.bleu_precisions)
+        ratio = self.hyp_len / self.ref_len if self.ref_len else 0.0
+        lengths = f"ratio = {ratio:.3f} hyp_len = {self.hyp_len} ref_len = {self.ref_len}"
+        return f"{precisions} (BP = {self.bleu_bp:.3f} {lengths})"
 
     def as_dict(self) -> dict[str, float | str]:
         out: dict[str, float | str] = {
@@ -44,6 +59,7 @@ class Scores:
             "chrf": round(self.chrf, 2),
             "bleu_signature": self.bleu_signature,
             "chrf_signature": self.chrf_signature,
+            "bleu_details": self.bleu_details,
         }
         for key in ("bleu_mean", "bleu_ci", "chrf_mean", "chrf_ci"):
             value = getattr(self, key)
@@ -76,7 +92,17 @@ def corpus_scores(
             "chrf_mean": float(c._mean),
             "chrf_ci": float(c._ci),
         }
-    return Scores(b.score, c.score, str(bleu.get_signature()), str(chrf.get_signature()), **spread)
+    return Scores(
+        b.score,
+        c.score,
+        str(bleu.get_signature()),
+        str(chrf.get_signature()),
+        **spread,
+        bleu_precisions=tuple(b.precisions),
+        bleu_bp=b.bp,
+        hyp_len=b.sys_len,
+        ref_len=b.ref_len,
+    )
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from mtx.data import (
     ParallelIds,
     available_splits,
     clean_line,
+    download_reason,
     epoch_batches,
     epoch_length,
     eval_split_files,
@@ -317,7 +318,7 @@ def test_eval_fetches_an_official_test_split_the_data_dir_lacks(
     assert eval_split_files(small_data, "test_2017_flickr", "de", "en") == (src, tgt) and len(fake.requested) == 2
     # said when taken from the cache too (stop 61: a run on the user's own corpus was scored on
     # Multi30k's test_2016_flickr from the cache without a word)
-    assert f"test_2017_flickr is not in {small_data}: scoring the official Multi30k test_2017_flickr" in caplog.text
+    assert f"test_2017_flickr is not in {small_data}: the official Multi30k test_2017_flickr is scored" in caplog.text
     # a split the data directory holds is read from there, whatever the cache holds
     assert eval_split_files(small_data, "test_2016_flickr", "de", "en")[0] == small_data / "test_2016_flickr.de"
     assert sorted(p.name for p in small_data.iterdir()) == before  # the data directory is never written
@@ -338,6 +339,25 @@ def test_eval_split_errors_name_the_fix(multi30k_server: FakeMulti30k, small_dat
     ):
         eval_split_files(small_data, "test_2018_flickr", "de", "en")
     assert not (tmp_path / "cache" / "mtx" / "multi30k").exists()  # nothing half-written
+
+
+def test_a_failed_download_without_a_network_says_so() -> None:
+    """fsspec reports a failed name lookup as FileNotFoundError(URL), which read as a file missing
+    upstream (stop 63); the root cause is named instead."""
+    import socket
+
+    def chained(*errors: BaseException) -> BaseException:
+        for outer, inner in zip(errors, errors[1:], strict=False):
+            outer.__cause__ = inner
+        return errors[0]
+
+    url = "https://github.com/multi30k/dataset/raw/master/data/task1/raw/test_2017_flickr.de.gz"
+    lookup = socket.gaierror(-2, "Name or service not known")
+    no_dns = chained(FileNotFoundError(url), OSError("Cannot connect to host github.com:443"), lookup)
+    assert download_reason(no_dns) == "no network: the host name cannot be resolved (Name or service not known)"
+    refused = chained(FileNotFoundError(url), ConnectionRefusedError(111, "Connection refused"))
+    assert download_reason(refused) == "no connection: ConnectionRefusedError: [Errno 111] Connection refused"
+    assert download_reason(FileNotFoundError(url)) == f"FileNotFoundError: {url}"  # a real 404
 
 
 def test_a_failed_write_leaves_no_partial_file(

@@ -38,6 +38,9 @@ def test_scores_are_sacrebleus_own_with_its_signatures(refs: list[str]) -> None:
     assert scores.bleu_signature == f"nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:{version}"
     assert low.bleu_signature == f"nrefs:1|case:lc|eff:no|tok:13a|smooth:exp|version:{version}"
     assert scores.chrf_signature == f"nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:{version}"
+    # sacreBLEU's verbose part: n-gram precisions, brevity penalty, lengths (stop 63: not shown)
+    assert scores.bleu_details == sacrebleu.corpus_bleu(hyps, [refs])._verbose
+    assert "BP = " in scores.bleu_details and scores.bleu_bp < 1  # words dropped: too short
 
 
 def test_bootstrap_intervals_are_seeded_and_bracket_the_score(refs: list[str]) -> None:
@@ -82,6 +85,10 @@ def test_eval_prints_intervals_and_paired_tests(
     assert main([*args, "--output", str(first), "--bootstrap", "100", "--json", "--lowercase"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert {"bleu_mean", "bleu_ci", "chrf_mean", "chrf_ci"} <= set(result) and "bs:100" in result["bleu_signature"]
+    # what was decoded and scored, named (stop 63: "checkpoints" was [] for the run's default one)
+    assert result["checkpoints"] == [str(tiny_run / "checkpoints" / "best.pt")]
+    assert result["ref_file"].endswith("val.en") and result["src_file"].endswith("val.de")
+    assert result["length_penalty"] is None and "BP = " in result["bleu_details"]  # greedy has no length penalty
     # the lowercased BLEU gets its interval too (stop 52)
     assert {"bleu_lowercase_mean", "bleu_lowercase_ci"} <= set(result)
     assert "case:lc" in result["bleu_lowercase_signature"] and "bs:100" in result["bleu_lowercase_signature"]
@@ -90,6 +97,12 @@ def test_eval_prints_intervals_and_paired_tests(
     out = capsys.readouterr().out
     assert f"against {first}: BLEU {result['bleu']:.2f} -> {result['bleu']:.2f} (+0.00, p = 1.0000)" in out
     assert "paired bootstrap, 1000 resamples" in out
+    assert "beam 1, fp32" in out and "length penalty" not in out and "     " + result["bleu_details"] in out
+    assert main([*args[:-2], "--beam", "2", "--json", "--output", str(tmp_path / "b2.en"), "--paired", str(first)]) == 0
+    beam2 = json.loads(capsys.readouterr().out)
+    assert beam2["length_penalty"] == 1.0 and beam2["paired_resamples"] == 1000
+    assert main([*args[:-2], "--beam", "2", "--length-penalty", "0.6", "--output", str(tmp_path / "b2.en")]) == 0
+    assert "beam 2, length penalty 0.6, fp32" in capsys.readouterr().out
     # mistakes are one line, before decoding
     (tmp_path / "short.en").write_text("a\nb\n")
     assert main([*args, "--paired", str(tmp_path / "short.en")]) == 1
