@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import stat
 import sys
@@ -677,7 +678,11 @@ def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> Non
         return
     _check_file_path("--output", output, "the hypotheses file's path")
     for what, paths in inputs.items():
-        if _same_file(output, paths):
+        listed = [p for p in paths if p is not None]
+        # the file, or its plain or gzipped twin where that is not there yet: mtx reads the plain
+        # one of the two first (stop 63: --output DATA/val.en beside val.en.gz was written, and
+        # every later eval scored against it, BLEU 100)
+        if _same_file(output, listed) or _same_path(output, [*listed, *map(_gz_twin, listed)]):
             raise MtxError(f"the hypotheses file {output} is {what}; pass --output with another path")
     _not_a_runs_file(output, f"the hypotheses file {output}", "pass --output with another path")
     if written_through(output):  # a device, pipe or link: it is opened as it is, not replaced
@@ -688,6 +693,32 @@ def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> Non
         raise MtxError(
             f"the hypotheses file {output}: cannot write to {output.parent}; pass --output with a writable path"
         )
+
+
+def _gz_twin(path: Path) -> Path:
+    """`f.gz` for `f`, `f` for `f.gz`: the other form of a data file, which mtx would read too."""
+    return path.with_name(path.name.removesuffix(".gz")) if path.name.endswith(".gz") else Path(f"{path}.gz")
+
+
+def _same_path(path: Path, others: Iterable[Path]) -> bool:
+    """Whether `path` names one of `others`, whether or not it exists yet."""
+    here = os.path.realpath(path)
+    return any(os.path.realpath(o) == here for o in others)
+
+
+_DATA_FILE = re.compile(r"[^.]+\.[^.]+(\.gz)?")  # SPLIT.LANG or SPLIT.LANG.gz
+
+
+def _data_files(folders: Iterable[Path | None]) -> list[Path]:
+    """Every file of the form SPLIT.LANG[.gz] in each of `folders` that is a directory: a data
+    directory's splits, all of them (stop 63: eval --split val wrote over test_2016_flickr.de.gz)."""
+    return [
+        path
+        for folder in folders
+        if folder is not None and folder.is_dir()
+        for path in sorted(folder.iterdir())
+        if _DATA_FILE.fullmatch(path.name) and path.is_file()
+    ]
 
 
 def _training_data(cfg: Config, folders: Iterable[Path | None]) -> list[Path]:
@@ -827,6 +858,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             # the text the run was trained and validated on, in its data directory or the one
             # read (a hypotheses file replaced train.en there)
             "the run's training or validation data": _training_data(cfg, [Path(cfg.data.dir), args.data_dir]),
+            "a data file of the data directory": _data_files([Path(cfg.data.dir), args.data_dir]),
         },
     )
     # the directories made for the hypotheses file go again if decoding or writing fails

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from collections.abc import Iterable
@@ -368,7 +369,8 @@ def from_dict(raw: Any, where: str = "config", file_where: str | None = None, se
                     f"{where}: {name}: a config file nests each key in its section; write '{section}:' "
                     f"and under it '  {key}: ...'"
                 )
-            raise _unknown(str(name), where)
+            from_set = any(k.partition(".")[0] == str(name) for k in set_keys)
+            raise _unknown(str(name), "--set" if from_set else file_where or where)
         if value is None:
             value = {}
         if not isinstance(value, dict):
@@ -378,14 +380,34 @@ def from_dict(raw: Any, where: str = "config", file_where: str | None = None, se
         kwargs = {}
         for key, item in value.items():
             dotted = f"{name}.{key}"
-            if key not in hints:
-                raise _unknown(dotted, where)
+            if key not in hints:  # (stop 63: a file's unknown key was blamed on "FILE (with --set)")
+                raise _unknown(dotted, "--set" if dotted in set_keys else file_where or where)
             # (stop 62: a file's bad value was blamed on "FILE (with --set)" whenever --set was given)
             kwargs[key] = _convert(item, hints[key], dotted, "--set" if dotted in set_keys else file_where or where)
         built[name] = cls(**kwargs)
     cfg = Config(**built)
-    validate(cfg, where)
+    try:
+        validate(cfg, where)
+    except ConfigError as e:
+        raise ConfigError(attributed(str(e), where, file_where, set_keys)) from None
     return cfg
+
+
+_DOTTED_KEY = re.compile(r"\b(?:data|tokenizer|model|train|decode)\.[a-z_]+")
+
+
+def attributed(message: str, where: str, file_where: str | None, set_keys: Iterable[str]) -> str:
+    """A check's error `message` ("WHERE: ...") naming where the keys it names came from: the file
+    where none came from --set, "--set" where all did, WHERE ("FILE (with --set)") where both
+    gave some (stop 63: `train.lr: -1` in a file was blamed on "FILE (with --set)" whenever any
+    --set was given)."""
+    if file_where is None or not message.startswith(f"{where}: "):
+        return message
+    keys = set(_DOTTED_KEY.findall(message))
+    from_set = keys & set(set_keys)
+    if not keys or (from_set and from_set != keys):
+        return message
+    return f"{'--set' if from_set else file_where}: {message.removeprefix(f'{where}: ')}"
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -728,13 +750,15 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, who
     if overrides:
         apply_overrides(raw, overrides)
         where = f"{where} (with --set)"
-    cfg = from_dict(raw, where, file_where, [parse_override(text)[0] for text in overrides or []])
+    set_keys = [parse_override(text)[0] for text in overrides or []]
+    cfg = from_dict(raw, where, file_where, set_keys)
     if cfg.train.dropout_start and not cfg.train.dropout_warmup and (overrides or not whole):
         # (it was ignored without a word; a run saved so still translates and resumes as it trained)
-        raise ConfigError(
+        message = (
             f"{where}: train.dropout_start is set but train.dropout_warmup is 0; set the updates over which "
             "dropout rises from it to model.dropout (e.g. 4000), or drop train.dropout_start"
         )
+        raise ConfigError(attributed(message, where, file_where, set_keys))
     return cfg
 
 

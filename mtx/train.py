@@ -1768,17 +1768,24 @@ def _check_same_val(last: dict[str, Any], digest: str, cfg: Config, run_dir: Pat
     data = last.get("config", {}).get("data", {})
     old_dir = data.get("dir") if isinstance(data, dict) else None
     old_n = last.get("config", {}).get("train", {}).get("eval_sentences")
+    # the new run's command, quoted and starting mtx as it was started (stop 63: a bare `mtx` and
+    # unquoted paths, which a run directory with a space or quote in its name broke)
+    start = [*own_command(), "train", "--config", run_dir / ckpt_io.CONFIG_FILE, "--run-dir", "NEW"]
     if old_n is not None and old_n != cfg.train.eval_sentences:
         what = f"train.eval_sentences is {cfg.train.eval_sentences}, the run validated on {old_n}"
-    elif old_dir is not None and old_dir != cfg.data.dir:
-        what = f"data.dir is {cfg.data.dir}, the run validated in {old_dir}"
+        keep = f"resume with --set train.eval_sentences={old_n}"
+        start += ["--set", f"train.eval_sentences={cfg.train.eval_sentences}"]
     else:
-        what = f"the {cfg.data.valid_split} files in {cfg.data.dir} changed"
+        if old_dir is not None and old_dir != cfg.data.dir:
+            what = f"data.dir is {cfg.data.dir}, the run validated in {old_dir}"
+        else:
+            what = f"the {cfg.data.valid_split} files in {cfg.data.dir} changed"
+        keep = "resume on the run's own val files"
+        start += ["--set", f"data.dir={cfg.data.dir}"]
     raise CheckpointError(
         f"{path}: the val pairs differ from those best.pt was chosen on ({what}), so their BLEU cannot be "
-        f"compared with best.pt's; resume on the run's own val files, or start a new run from it: mtx train "
-        f"--config {run_dir / ckpt_io.CONFIG_FILE} --run-dir NEW --set data.dir={cfg.data.dir} "
-        f"--set train.init_from={run_dir}"
+        f"compared with best.pt's; {keep}, or start a new run from it: "
+        f"{command_line(*start, '--set', f'train.init_from={run_dir}')}"
     )
 
 

@@ -26,6 +26,7 @@ import torch
 
 from mtx.cli import (
     _check_output,
+    _data_files,
     _hypotheses_name,
     _source_tag,
     _stdin_is_stdout,
@@ -906,12 +907,23 @@ def test_eval_output_never_replaces_the_training_data(tmp_path: Path) -> None:
     cfg = load_config(REPO / "configs" / "tiny.yaml")
     for name in ("train.en", "val.de.gz", "test_x.en"):
         (tmp_path / name).write_text("data\n")
-    data = {"the run's training or validation data": _training_data(cfg, [tmp_path, None, tmp_path / "none"])}
-    for name in ("train.en", "val.de.gz"):
+    folders = [tmp_path, None, tmp_path / "none"]
+    data = {
+        "the run's training or validation data": _training_data(cfg, folders),
+        "a data file of the data directory": _data_files(folders),
+    }
+    # val.de: the plain twin of val.de.gz, which mtx would read before it (stop 63: written, and
+    # every later eval scored against the hypotheses)
+    for name in ("train.en", "val.de.gz", "val.de"):
         with pytest.raises(MtxError, match=rf"{name} is the run's training or validation data; pass --output"):
             _check_output(tmp_path / name, data)
-        assert (tmp_path / name).read_text() == "data\n"
-    _check_output(tmp_path / "test_x.en", data)  # another split's file, as any other file, may be chosen
+    # another split's file, or its twin (stop 63: eval --split val wrote over test_2016_flickr.de.gz)
+    for name in ("test_x.en", "test_x.en.gz"):
+        with pytest.raises(MtxError, match=rf"{name} is a data file of the data directory; pass --output"):
+            _check_output(tmp_path / name, data)
+    assert all((tmp_path / name).read_text() == "data\n" for name in ("train.en", "val.de.gz", "test_x.en"))
+    for name in ("test_x.beam5.en", "hyp.en", "notes"):  # names of no file there, or of no data file
+        _check_output(tmp_path / name, data)
 
 
 def test_training_on_a_test_split_and_scoring_the_training_split_are_warned(

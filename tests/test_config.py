@@ -341,3 +341,18 @@ def test_a_keys_error_names_where_the_value_came_from(tmp_path: Path) -> None:
         load_config(path, ["train.max_steps=2"])
     with pytest.raises(ConfigError, match=r"^--set: model\.pre_norm must be true or false, got 'maybe'$"):
         load_config(path, ["model.pre_norm=maybe"])
+    # unknown keys and range checks too (stop 63: still "FILE (with --set)" for a file's own mistake)
+    path.write_text("train:\n  lr: -1\n  LR: 0.1\n")
+    with pytest.raises(ConfigError, match=r"^.*c\.yaml: unknown key train\.LR \(did you mean train\.lr\?\)$"):
+        load_config(path, ["train.seed=2"])
+    path.write_text("train:\n  lr: -1\n")
+    with pytest.raises(ConfigError, match=r"^.*c\.yaml: train\.lr must be > 0, got -1\.0$"):
+        load_config(path, ["train.seed=2"])
+    with pytest.raises(ConfigError, match=r"^--set: train\.seed must be in \[0, 2\*\*32\), got -2$"):
+        load_config(path, ["train.seed=-2", "train.lr=0.1"])
+    with pytest.raises(ConfigError, match=r"^--set: unknown key trian\.lr \(did you mean train\.lr\?\)$"):
+        load_config(path, ["trian.lr=0.1"])
+    # a check across keys that the file and --set both gave names both
+    path.write_text("model:\n  d_model: 64\n")
+    with pytest.raises(ConfigError, match=r"^.*c\.yaml \(with --set\): model\.d_model \(64\) must be divisible"):
+        load_config(path, ["model.n_heads=5"])

@@ -1257,7 +1257,11 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
     (
         "resume changing the val sentences best.pt was chosen on (stop 55)",
         _resumed_with("train.eval_sentences=2"),
-        ("the val pairs differ from those best.pt was chosen on (train.eval_sentences is 2, the run validated on",),
+        (
+            "the val pairs differ from those best.pt was chosen on (train.eval_sentences is 2, the run validated on",
+            "resume with --set train.eval_sentences=100, or start a new run from it: ",  # (stop 63: not said)
+            "--run-dir NEW --set train.eval_sentences=2 --set train.init_from=",
+        ),
     ),
     (
         "resume changing tokenizer.joint (stop 55: 'no tokenizer.de.json; is this an mtx run directory?')",
