@@ -94,7 +94,9 @@ def _setup_logging(verbose: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    for noisy in ("datasets", "fsspec", "filelock", "urllib3", "httpx", "huggingface_hub", "sacrebleu"):
+    # torch's too: a signal in the middle of its import left its loggers unset, and at exit its
+    # FakeTensor statistics printed three lines after mtx's one (stop 63: in every command)
+    for noisy in ("datasets", "fsspec", "filelock", "urllib3", "httpx", "huggingface_hub", "sacrebleu", "torch"):
         logging.getLogger(noisy).setLevel(logging.NOTSET if verbose else logging.WARNING)
 
 

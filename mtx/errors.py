@@ -104,6 +104,16 @@ def own_command(argv0: str | None = None) -> list[str]:
     return ["mtx"]
 
 
+def environment_mtx() -> list[str]:
+    """The mtx of this Python's environment, for a script to print: `mtx` where PATH finds it,
+    else its path (`.venv/bin/mtx`), else `PYTHON -m mtx` (stop 63: choose_on_val.py printed a
+    bare `mtx`, which a shell without the venv activated does not find)."""
+    if _this_environments("mtx"):
+        return ["mtx"]
+    beside = os.path.join(os.path.dirname(sys.executable), "mtx")
+    return [beside] if os.access(beside, os.X_OK) else [sys.executable, "-m", "mtx"]
+
+
 def torchrun_command() -> list[str]:
     """`torchrun` where PATH finds this environment's, else `PYTHON -m torch.distributed.run`."""
     if _this_environments("torchrun"):

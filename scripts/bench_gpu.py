@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.checkpoint import load_run  # noqa: E402
-from mtx.cli import int_in, refuse_repeats  # noqa: E402
+from mtx.cli import int_in, path_arg, refuse_repeats  # noqa: E402
 from mtx.data import read_parallel, resolve_data_dir, split_file  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
 from mtx.search import translate_ids  # noqa: E402
@@ -111,8 +111,8 @@ def sdpa_first_calls(device: torch.device) -> dict[str, float | str]:
 
 def main() -> None:
     parser = refuse_repeats(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    parser.add_argument("--run", type=Path, required=True, help="trained run directory")
-    parser.add_argument("--data-dir", type=Path, help="folder of the split's files (default: the run's data.dir)")
+    parser.add_argument("--run", type=path_arg, required=True, help="trained run directory")
+    parser.add_argument("--data-dir", type=path_arg, help="folder of the split's files (default: the run's data.dir)")
     parser.add_argument("--split", default="test_2016_flickr", help="the split decoded (default: %(default)s)")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N, cpu (default: cuda)")
     parser.add_argument("--sentences", type=int_in(0), default=0, help="first N sentences only (0: all)")

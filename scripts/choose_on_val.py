@@ -46,10 +46,10 @@ from mtx.checkpoint import (  # noqa: E402
     restore_best_single,
     step_checkpoints,
 )
-from mtx.cli import refuse_repeats, thread_count, usable_cpus  # noqa: E402
+from mtx.cli import path_arg, refuse_repeats, thread_count, usable_cpus  # noqa: E402
 from mtx.config import AT_MOST, MAX_LENGTH_PENALTY  # noqa: E402
 from mtx.data import is_test_split, read_parallel, split_file  # noqa: E402
-from mtx.errors import MtxError, command_line, run_script  # noqa: E402
+from mtx.errors import MtxError, command_line, environment_mtx, run_script  # noqa: E402
 from mtx.evaluate import PAIRED_SAMPLES, corpus_scores, paired_tests  # noqa: E402
 from mtx.model import Ensemble, Seq2Seq  # noqa: E402
 from mtx.search import translate  # noqa: E402
@@ -111,7 +111,7 @@ def val_bleu(
 
 def main() -> None:
     parser = refuse_repeats(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
-    parser.add_argument("--run", type=Path, required=True, help="run directory written by mtx train")
+    parser.add_argument("--run", type=path_arg, required=True, help="run directory written by mtx train")
     parser.add_argument(
         "--last",
         type=counts,
@@ -253,7 +253,7 @@ def choose(args: argparse.Namespace) -> None:
         result["checkpoints"] = [str(p) for p in chosen]
         flags = [word for p in chosen for word in ("--checkpoint", p)]
         decode = ("--length-penalty", f"{best_alpha:g}", "--beam", best_beam)
-        print(f"decode it with: {command_line('mtx', 'eval', '--run', args.run, *flags, *decode)}")
+        print(f"decode it with: {command_line(*environment_mtx(), 'eval', '--run', args.run, *flags, *decode)}")
         if args.apply:
             print(
                 "--apply: an ensemble is several checkpoints, not one best.pt; "

@@ -149,6 +149,8 @@ def test_bench_ctranslate2_converts_through_mtx_export(
     [
         ("bench_decode.py", ["--run", "{tmp}/nowhere"], "{tmp}/nowhere: run directory not found"),
         ("bench_gpu.py", ["--run", "{tmp}/nowhere", "--device", "cpu"], "{tmp}/nowhere: run directory not found"),
+        # a ~ the shell left (after --run=) is expanded, as mtx's own options do (stop 63: ~/x not found)
+        ("bench_decode.py", ["--run=~/nowhere"], "{tmp}/nowhere: run directory not found"),
         ("bench_gpu.py", ["--run", "{tmp}", "--device", "nosuch"], "--device: unknown device 'nosuch'"),
         ("bench_train.py", ["--config", "{tmp}/none.yaml"], "{tmp}/none.yaml: config file not found"),
         # an empty split (stop 53: a division by zero after decoding nothing)
@@ -172,6 +174,7 @@ def test_benchmarks_report_a_user_mistake_in_one_line(
 ) -> None:
     for lang in ("de", "en"):
         (tmp_path / f"test_2016_flickr.{lang}").write_text("")
+    monkeypatch.setenv("HOME", str(tmp_path))
     names = {"tmp": tmp_path, "run": tiny_run, "data": mini_data, "tiny": TINY_CONFIG}
     argv = [a.format(**names) for a in args]
     code, _, err = script_in_process(SCRIPT.with_name(script), argv, monkeypatch, capsys)

@@ -1016,6 +1016,14 @@ def test_commands_to_paste_start_mtx_as_it_was_started(tmp_path: Path, monkeypat
     assert own_command(str(script)) == ["mtx"]
     assert own_command(str(REPO / "mtx" / "__main__.py")) == [sys.executable, "-m", "mtx"]
     assert own_command("/usr/bin/pytest") == ["mtx"]
+    # a script's printed command: this environment's mtx (stop 63: choose_on_val.py said `mtx`)
+    from mtx.errors import environment_mtx
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    beside = Path(sys.executable).parent / "mtx"
+    assert environment_mtx() == ([str(beside)] if os.access(beside, os.X_OK) else [sys.executable, "-m", "mtx"])
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))
+    assert environment_mtx() == (["mtx"] if beside.exists() else [sys.executable, "-m", "mtx"])
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
@@ -1039,3 +1047,18 @@ def test_a_text_argument_holding_line_breaks_is_its_lines(tiny_run: Path, monkey
         monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", stdin=b"Ein Hund.\nEine Frau.\nZwei.\n"
     )
     assert r.returncode == 0 and r.stdout == piped.stdout and len(r.stdout.decode().splitlines()) == 3
+
+
+def test_torchs_info_lines_are_held_back_before_torch_has_set_its_loggers() -> None:
+    """A signal in the middle of torch's import left its loggers unset: at exit, torch's FakeTensor
+    statistics (log.info in an atexit hook) printed three lines after mtx's one (stop 63)."""
+    code = (
+        "import logging, sys\n"
+        "from mtx.cli import _setup_logging\n"
+        "assert 'torch' not in sys.modules\n"
+        "_setup_logging(False)\n"
+        "logging.getLogger('torch._subclasses.fake_tensor').info('FakeTensor cache stats:')\n"
+        "logging.getLogger('mtx').info('mtx line')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=REPO, check=False)
+    assert r.returncode == 0 and r.stderr.decode().splitlines() == ["mtx line"], r.stderr.decode()
