@@ -593,7 +593,8 @@ def _hypotheses_name(
 def score_text(score: float) -> str:
     """An n-best score with 4 decimals, or 4 significant digits below 1 in size: at large length
     penalties every score lies near 0, and 4 decimals printed them all as -0.0000 (stop 62)."""
-    return f"{score:.4f}" if score == 0 or abs(score) >= 1 else f"{score:.4g}"
+    # `#`: trailing zeros kept, so every score below 1 shows 4 digits (stop 63: -0.5, -1 for -0.99996)
+    return f"{score:.4f}" if score == 0 or abs(score) >= 1 else f"{score:#.4g}"
 
 
 def _source_tag(args: argparse.Namespace, name: str, run_data_dir: str = "") -> str:

@@ -307,8 +307,9 @@ def beam_search(
         best_alive = scores[:, 0].tolist()
         keep = []
         for i, sent in enumerate(sentences):
-            if stop == "finished":
-                done = len(finished[sent]) >= k
+            if stop == "finished":  # every finished hypothesis counts, as without text_key (stop 63:
+                # with --nbest only different texts counted, and the search ran on past fairseq's stop)
+                done = len(finished[sent]) + len(repeats[sent]) >= k
             else:
                 done = len(finished[sent]) >= nbest and _cannot_improve(
                     finished[sent], nbest, best_alive[i], max_lens[sent], step, alpha

@@ -962,12 +962,14 @@ def test_training_on_a_test_split_and_scoring_the_training_split_are_warned(
 
 
 def test_score_text_keeps_four_significant_digits_near_zero() -> None:
-    assert [score_text(x) for x in (0.0, -12.34567, -1.0, -0.123456, -3.21e-7)] == [
+    assert [score_text(x) for x in (0.0, -12.34567, -1.0, -0.123456, -3.21e-7, -0.5, -6.6e-5)] == [
         "0.0000",
         "-12.3457",
         "-1.0000",
         "-0.1235",
-        "-3.21e-07",
+        "-3.210e-07",
+        "-0.5000",  # trailing zeros kept: 4 digits in every row (stop 63: -0.5, -6.6e-05)
+        "-6.600e-05",
     ]
 
 

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -475,3 +478,54 @@ def test_an_nbest_list_holds_each_text_once() -> None:
         # more different texts wherever the plain list repeated one, all 6 in some
         assert all(b >= a for a, b in texts) and any(a < b == 6 for a, b in texts), texts
         assert [h.tokens for h in once[3]] == [[]] * 6  # an empty input: as before
+
+
+class _TwoSpellings:
+    """A model over 8 columns whose outputs are fixed by the last token: after BOS, b (0.35), a
+    (0.30), a' (0.30, another spelling of a), EOS; a and a' end; b ends or goes on to c, which
+    ends. Two segmentations of "a" finish at the first step."""
+
+    cfg = SimpleNamespace(max_positions=50)
+    eos_column = EOS
+    unemitted_columns = 2
+
+    def encode(self, src: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(src.shape[0], src.shape[1], 4)
+
+    def new_cache(self, float32_self: bool = False) -> None:
+        return None
+
+    def output_tokens(self, columns: torch.Tensor) -> torch.Tensor:
+        return columns
+
+    @contextlib.contextmanager
+    def packed_weights(self) -> Iterator[None]:
+        yield
+
+    def decode(self, tokens: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor, cache: None) -> torch.Tensor:
+        nexts = {BOS: {6: 0.35, 4: 0.30, 5: 0.30, EOS: 0.05}, 4: {EOS: 0.999}, 5: {EOS: 0.999}, 6: {EOS: 0.5, 7: 0.5}}
+        nexts[7] = {EOS: 0.999}
+        out = torch.full((tokens.shape[0], tokens.shape[1], 8), -30.0)
+        for i, last in enumerate(tokens[:, -1].tolist()):
+            for column, p in nexts.get(last, {}).items():
+                out[i, -1, column] = math.log(p)
+        return out
+
+
+def test_fairseqs_stop_counts_every_finished_hypothesis_with_an_nbest_list_of_texts() -> None:
+    """--stop finished ends a sentence once `beam` hypotheses have finished; with --nbest's
+    text_key it counted different texts only, ran on, and found another 1-best (stop 63)."""
+    words = {4: "a", 5: "a", 6: "b", 7: "c"}
+
+    def text(ids: list[int]) -> str:
+        return " ".join(words.get(t, "?") for t in ids)
+
+    src = torch.tensor([[9, 9, EOS]])
+    for stop in ("finished", "exact"):
+        one = beam_search(_TwoSpellings(), src, 3, 10.0, 1.2, 10, nbest=1, stop=stop)[0]  # type: ignore[arg-type]
+        many = beam_search(_TwoSpellings(), src, 3, 10.0, 1.2, 10, nbest=3, stop=stop, text_key=text)[0]  # type: ignore[arg-type]
+        assert text(many[0].tokens) == text(one[0].tokens) and many[0].score == pytest.approx(one[0].score)
+    # fairseq's stop ends once three hypotheses have finished, "a" the best of them;
+    # the exact search goes on to a longer, better output
+    first = beam_search(_TwoSpellings(), src, 3, 10.0, 1.2, 10, nbest=1, stop="finished")[0]  # type: ignore[arg-type]
+    assert text(first[0].tokens) == "a" and len(one[0].tokens) > 1 and one[0].score > first[0].score
