@@ -128,6 +128,14 @@ def _this_environments(name: str) -> str | None:
     return name if found is not None and os.path.dirname(os.path.abspath(found)) == here else None
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation that failed: torch.OutOfMemoryError (a GPU's), or the
+    RuntimeError of the CPU allocator ("DefaultCPUAllocator: can't allocate memory")."""
+    return type(error).__name__ == "OutOfMemoryError" or (
+        isinstance(error, RuntimeError) and ("can't allocate memory" in str(error) or "out of memory" in str(error))
+    )
+
+
 def not_found(path: os.PathLike[str] | str, what: str) -> str:
     """`PATH: WHAT not found`, or for a symbolic link to nothing where it points: `--resume` on a
     run directory linked to a removed disk said "run directory not found" of a link that is there."""

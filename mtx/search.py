@@ -19,6 +19,7 @@ import torch
 
 from mtx.config import STOPS
 from mtx.data import pad_ids
+from mtx.errors import MtxError, out_of_memory
 from mtx.model import Ensemble, EnsembleCache, KVCache, Seq2Seq, make_src_mask
 from mtx.tokenizer import BOS, BPE, EOS, PAD
 
@@ -36,8 +37,9 @@ def max_output_lengths(src: torch.Tensor, a: float, b: int, model: Seq2Seq | Ens
     """Per sentence: most output tokens (EOS included), `a * src_len + b`, within positions.
 
     In float64 with a margin, so that a product whose decimal value is whole is not floored one
-    short (float32 gave 1.3 * 90 + 10 = 126.99..., a cap of 126 for 127)."""
-    src_lens = (src != PAD).sum(dim=1)
+    short (float32 gave 1.3 * 90 + 10 = 126.99..., a cap of 126 for 127); on the CPU, since
+    Apple's MPS has no float64 (stop 63: every decode on a Mac's default device was a TypeError)."""
+    src_lens = (src != PAD).sum(dim=1).cpu()
     limit = model.cfg.max_positions - 1
     # clamped before the conversion: a huge `a` (1e20, "no cap") overflowed int64 to a negative
     # cap, and every translation was empty (stop 54)
@@ -431,7 +433,16 @@ def translate_ids(
         return hyps
 
     batches = _decode_batches([len(src_ids[i]) + 1 for i in todo], batch_tokens)
-    for batch, hyps in zip(batches, in_workers(decode, batches, workers, device, model), strict=True):
+    try:
+        decoded = in_workers(decode, batches, workers, device, model)
+    except RuntimeError as e:  # (stop 63: a 20-line traceback, with no word on what to lower)
+        if not out_of_memory(e):
+            raise
+        raise MtxError(
+            f"out of memory decoding on {device} in batches of {batch_tokens} source tokens with beam {beam}; "
+            "lower --batch-tokens (decode.batch_tokens)"
+        ) from None
+    for batch, hyps in zip(batches, decoded, strict=True):
         for j, h in zip(batch, hyps, strict=True):
             results[todo[j]] = h
     return results

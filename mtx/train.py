@@ -62,6 +62,7 @@ from mtx.errors import (
     MtxError,
     command_line,
     named_os_errors,
+    out_of_memory,
     own_command,
     take_signals,
     torchrun_command,
@@ -179,13 +180,21 @@ def amp_dtype(device: torch.device, amp: str) -> torch.dtype | None:
     if device.type == "cuda":
         if amp == "fp16":
             return torch.float16
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # bf16 where the GPU computes in it (Ampere on), else fp16 and its scaler: since torch 2.3
+        # `is_bf16_supported()` also says True where bf16 is only emulated, slowly (stop 63: a T4
+        # or V100 trained in emulated bf16, the fp16 path never taken)
+        with torch.cuda.device(device):
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+            asked = amp == "bf16" and torch.cuda.is_bf16_supported()  # emulated, if asked for by name
+        return torch.bfloat16 if native or asked else torch.float16
     if device.type == "cpu":
         if amp == "fp16":
             raise MtxError("train.amp: fp16 is for CUDA; on CPU use bf16, fp32 or auto")
         if amp == "auto" and cpu_bf16_speedup() < BF16_MIN_SPEEDUP:
             return None
         return torch.bfloat16
+    if amp == "fp16":  # (stop 63: trained in bf16 without a word, where CPU refused)
+        raise MtxError(f"train.amp: fp16 is for CUDA; on {device.type} use bf16, fp32 or auto")
     return None if amp == "auto" else torch.bfloat16
 
 
@@ -631,7 +640,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # the states of the devices this machine has: a run saved where torch saw more GPUs (a
+        # shared server, a torchrun job on 4) resumes where it sees fewer (stop 63: IndexError)
+        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, index)
 
 
 def seed_everything(seed: int) -> None:
@@ -854,7 +866,7 @@ class Trainer:
         try:
             self.model = ckpt_io.build_model(cfg, self.src_tok, self.tgt_tok, output_ids).to(self.device)
         except RuntimeError as e:  # torch.OutOfMemoryError is one; so is the CPU allocator's failure
-            if not (isinstance(e, torch.OutOfMemoryError) or "allocate" in str(e)):
+            if not out_of_memory(e):
                 raise
             m = cfg.model
             raise MtxError(
@@ -1522,7 +1534,9 @@ class Trainer:
             unit="step",
             dynamic_ncols=True,
             mininterval=1.0,
-            disable=not main,
+            # None: no bar where stderr is not a terminal (`nohup`, `> log 2>&1`: stop 63, the bar's
+            # carriage-return updates filled such a log, one a second); a line per log window instead
+            disable=None if main else True,
             file=UntilReaderGone(sys.stderr),
         )
         window_start = time.perf_counter()  # of this session's part of the log window (st.window_*)
@@ -1598,6 +1612,15 @@ class Trainer:
                 self._evaluate(metrics)
                 st.elapsed += time.perf_counter() - last_time
         except RuntimeError as e:
+            if out_of_memory(e):
+                # (stop 63: a batch too large for the device was a 30-line traceback, with no word
+                # on what to lower; one can come thousands of steps in, as batches differ in length)
+                raise MtxError(
+                    f"out of memory on {self.device} in the training step after step {st.step} "
+                    f"(train.batch_tokens={tc.batch_tokens}); lower train.batch_tokens (raising "
+                    f"train.accum_steps keeps an update's tokens); last.pt from step {self.saved_step} is kept. "
+                    f"Resume with: {self._resume_command()} --set train.batch_tokens=N"
+                ) from None
             if self.ranks.world_size > 1 and _peer_lost(e):
                 # (stop 62: rank 0 printed gloo's 28-line traceback, and nothing on what was kept)
                 raise MtxError(
@@ -1644,6 +1667,15 @@ class Trainer:
             **({"partial": True} if partial else {}),
         }
         bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tgt_tok_per_s']:.0f}")
+        if bar.disable and self.ranks.is_main:  # no bar (stderr is not a terminal): the window as a line
+            log.info(
+                "step %d/%d: loss %.3f, lr %.2e, %.0f tgt tok/s",
+                st.step,
+                self.cfg.train.max_steps,
+                record["loss"],
+                record["lr"],
+                record["tgt_tok_per_s"],
+            )
         _append(metrics, record)
         self._logged_step = st.step  # (a partial record leaves the window open)
         if partial:

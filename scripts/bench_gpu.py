@@ -47,7 +47,7 @@ def decode_rows(run_dir: Path, data_dir: Path | None, split: str, sentences: int
     src = run.src_tok.encode_batch(lines)
     src = src[:sentences] if sentences else src
     d = run.cfg.decode
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     first: dict[tuple[str, int], list[list[int]]] = {}
     for dtype in (torch.float32, torch.bfloat16):
         model = run.model.to(dtype)
@@ -97,10 +97,11 @@ def sdpa_first_calls(device: torch.device) -> dict[str, float | str]:
                 mask = torch.ones(64, 1, 1, length, dtype=torch.bool, device=device)
                 with sdpa_kernel([backend]):
                     for times in (firsts, agains):
-                        torch.cuda.synchronize()
+                        # the device's own stream (stop 63: cuda:0's, whatever --device cuda:N timed)
+                        torch.cuda.synchronize(device)
                         start = time.perf_counter()
                         F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
-                        torch.cuda.synchronize()
+                        torch.cuda.synchronize(device)
                         times.append(time.perf_counter() - start)
             result[f"sdpa_{name}_first_ms"] = round(1e3 * sum(firsts) / len(firsts), 3)
             result[f"sdpa_{name}_again_ms"] = round(1e3 * sum(agains) / len(agains), 3)

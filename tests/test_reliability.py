@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mtx import search
 from mtx import train as train_module
 from mtx.checkpoint import (
     FORMAT_VERSION,
@@ -771,6 +772,37 @@ def test_diverging_training_stops_and_keeps_the_last_good_checkpoint(
     assert last["step"] == 10 and last["state"]["skipped_steps"] == 0
     assert all(torch.equal(last["model"][k], step_10["model"][k]) for k in last["model"])
     assert all(torch.isfinite(v).all() for v in last["model"].values())
+
+
+def test_out_of_memory_in_a_training_step_or_a_decode_is_one_line(
+    tmp_path: Path, mini_data: Path, tiny_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An allocation that fails in a step (a GPU's most common failure, possibly thousands of steps
+    in) or a decode was a 20-40-line traceback with no word on what to lower (stop 63)."""
+    step = train_module.Trainer.train_step
+
+    def big_batch(self: train_module.Trainer, group: list) -> tuple[float, int, bool]:
+        if self.state.step == 12:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return step(self, group)
+
+    monkeypatch.setattr(train_module.Trainer, "train_step", big_batch)
+    run_dir = tmp_path / "run"
+    args = mini_args(mini_data, run_dir, "--set", "train.max_steps=30", "--set", "train.eval_every=10")
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("mtx: error:")]
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert "out of memory on cpu in the training step after step 12 (train.batch_tokens=1500)" in lines[0]
+    assert "last.pt from step 10 is kept" in lines[0] and "--resume --set train.batch_tokens=N" in lines[0]
+    assert "out of memory" in (run_dir / "train.log").read_text().splitlines()[-1]
+
+    def no_memory(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(search, "greedy_search", no_memory)
+    r = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", "Ein Hund.")
+    assert_one_line_error(r, "out of memory decoding on cpu in batches of", "lower --batch-tokens")
 
 
 # -- nothing executed ----------------------------------------------------------------------------

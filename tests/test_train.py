@@ -14,6 +14,7 @@ from mtx import train as train_module
 from mtx.cli import main
 from mtx.config import ModelConfig, TrainConfig
 from mtx.data import Batch
+from mtx.errors import MtxError
 from mtx.model import Dropout, FeedForward, Seq2Seq, dropout
 from mtx.tokenizer import BOS, EOS, PAD, UNK
 from mtx.train import (
@@ -338,6 +339,33 @@ def test_cpu_bf16_speedup_is_measured_once_and_is_zero_without_native_bf16() -> 
         assert 0.05 < speedup < 100  # a timed ratio of two real products
     else:
         assert speedup == 0.0
+
+
+def test_gpu_precision_and_random_states_where_the_hardware_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Simulated GPUs (stop 63): `auto` takes fp16 where bf16 is only emulated (a T4 or V100);
+    fp16 elsewhere than CUDA is refused (MPS trained bf16 without a word); a last.pt that holds
+    two GPUs' random states resumes where torch sees one (IndexError)."""
+    import contextlib
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    for native, auto in ((True, torch.bfloat16), (False, torch.float16)):
+        monkeypatch.setattr(
+            torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n or including_emulation
+        )
+        assert amp_dtype(cuda, "auto") is auto and amp_dtype(cuda, "bf16") is torch.bfloat16
+        assert amp_dtype(cuda, "fp16") is torch.float16
+    with pytest.raises(MtxError, match="train.amp: fp16 is for CUDA; on mps use bf16, fp32 or auto"):
+        amp_dtype(torch.device("mps"), "fp16")
+    restored: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, index: restored.append(index))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.get_rng_state()] * 2)
+    saved = train_module._rng_state()  # as on a machine where torch saw two GPUs
+    assert len(saved["cuda"]) == 2
+    train_module._set_rng_state(saved)
+    assert restored == [0]
 
 
 @pytest.mark.parametrize(("speedup", "expected"), [(0.0, None), (0.6, None), (1.49, None), (2.5, torch.bfloat16)])
