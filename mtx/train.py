@@ -1073,7 +1073,8 @@ class Trainer:
                 )
             rng_per_rank = ckpt.get("rng_per_rank") or [ckpt["rng"]]
             same_ranks = len(rng_per_rank) == self.ranks.world_size
-            _set_rng_state(rng_per_rank[self.ranks.rank] if same_ranks else ckpt["rng"])
+            restored = rng_per_rank[self.ranks.rank] if same_ranks else ckpt["rng"]
+            _set_rng_state(restored)
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise CheckpointError(
                 f"{path}: cannot restore the training state ({e.__class__.__name__}: {str(e)[:100]})"
@@ -1081,6 +1082,10 @@ class Trainer:
         _check_below_max_steps(self.state.step, self.cfg, path)
         if not same_ranks and self.ranks.rank:
             torch.manual_seed(rank_seed(self.cfg.train.seed, self.ranks.rank, self.state.step))
+        elif self.ranks.rank and self.device.type == "cuda" and "cuda" not in restored:
+            # saved where there was no CUDA (ranks on CPUs, resumed on GPUs): every rank's CUDA
+            # generator held train.seed, and all drew the same dropout masks (stop 63, by reading)
+            torch.cuda.manual_seed(rank_seed(self.cfg.train.seed, self.ranks.rank, self.state.step))
         if self.state.world_size != self.ranks.world_size:
             # each rank consumed `batch` batches of its round-robin share: the plan's first
             # batch * old_world batches; continue after them (skipping fewer than world_size)
