@@ -19,6 +19,11 @@ import pickle
 import re
 import shutil
 import warnings
+
+try:
+    import resource  # (not on Windows)
+except ImportError:  # pragma: no cover
+    resource = None  # type: ignore[assignment]
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -78,7 +83,10 @@ def run_dir_lock(run_dir: Path, fix: str = "wait for it to end, or choose anothe
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise CheckpointError(f"{run_dir}: an mtx train is using this run directory; {fix}") from None
+            # (stop 63: "an mtx train" was said where another `average --as-best` held it)
+            raise CheckpointError(
+                f"{run_dir}: another mtx command is using this run directory (mtx train, or average --as-best); {fix}"
+            ) from None
         yield
     finally:
         os.close(fd)
@@ -149,14 +157,25 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot write ({e.strerror or e}); {kept}") from None
     except RuntimeError as e:  # torch.save's writer on a full disk: "unexpected pos ..." (stop 54: a traceback)
-        free = shutil.disk_usage(path.parent).free
-        raise CheckpointError(
-            f"{path}: cannot write ({str(e).splitlines()[0][:120]}; {free / 2**20:.1f} MiB left on its disk); {kept}"
-        ) from None
+        raise CheckpointError(f"{path}: cannot write ({_write_failure(e, tmp)}); {kept}") from None
     finally:
         # a read-only file system: nothing was written (stop 54: unlink's error hid the real one)
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+def _write_failure(error: RuntimeError, tmp: Path) -> str:
+    """Why torch.save's writer failed, which its error does not say ("unexpected pos ..."): the
+    process's file-size limit where the file reached it (stop 63: "67979 MiB left on its disk"
+    was said of a `ulimit -f`), a full disk, or torch's words and the room left."""
+    size = tmp.stat().st_size if tmp.exists() else 0
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource is not None else -1
+    if limit not in (-1, getattr(resource, "RLIM_INFINITY", -1)) and size + 2**20 >= limit:
+        return f"File too large: the file-size limit of this process (ulimit -f) is {limit / 2**20:.1f} MiB"
+    free = shutil.disk_usage(tmp.parent).free
+    if free < 2**26:  # under 64 MiB
+        return f"No space left on device: {free / 2**20:.1f} MiB left on its disk"
+    return f"{str(error).splitlines()[0][:120]}; {free / 2**20:.1f} MiB left on its disk"
 
 
 def atomic_save(obj: dict[str, Any], path: Path) -> None:

@@ -11,6 +11,7 @@ alone writes the run directory.
 from __future__ import annotations
 
 import copy
+import errno
 import functools
 import gc
 import hashlib
@@ -1746,11 +1747,22 @@ class Trainer:
 
 
 def _append(metrics: Any, record: dict[str, Any]) -> None:
-    """Write a record to metrics.jsonl (None on ranks other than 0); an error (a full disk) names the file."""
-    if metrics is not None:
-        with named_os_errors(metrics.name):
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+    """Write a record to metrics.jsonl (None on ranks other than 0) as one line or none: a write
+    cut short (a full disk) is taken back, and the error names the file (stop 63: a torn last line
+    broke JSON Lines readers until a resume trimmed it)."""
+    if metrics is None:
+        return
+    line = (json.dumps(record) + "\n").encode("utf-8")
+    fd = metrics.fileno()  # written past the text layer: its buffer never holds half a line
+    with named_os_errors(metrics.name):
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            if os.write(fd, line) < len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            with suppress(OSError):
+                os.ftruncate(fd, end)
+            raise
 
 
 def _thread_count(threads: int) -> int:

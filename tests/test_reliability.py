@@ -546,6 +546,21 @@ def test_full_disks_read_only_disks_and_unreadable_files_are_named_in_one_line(
         ):
             ckpt_io.atomic_save({"step": 2}, path)
     assert load_weights_only(path) == {"step": 1} and [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+    # a file-size limit is named as such (stop 63: "... MiB left on its disk" was said of `ulimit -f`)
+    resource = pytest.importorskip("resource")
+    code = (
+        "import torch; from pathlib import Path; from mtx import checkpoint as c\n"
+        f"c.atomic_save({{'w': torch.zeros(400_000)}}, Path({str(tmp_path / 'big.pt')!r}))\n"
+    )
+    limited = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        check=False,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (500_000, resource.RLIM_INFINITY)),
+    )
+    assert limited.returncode != 0 and "big.pt: cannot write (File too large" in limited.stderr.decode()
+    assert "ulimit -f" in limited.stderr.decode() and not (tmp_path / "big.pt").exists()
 
     def read_only(self: Path, missing_ok: bool = False) -> None:
         raise OSError(30, "Read-only file system", str(self))
@@ -599,7 +614,10 @@ def test_a_second_training_on_a_run_directory_in_use_is_refused(
         for argv in (mini_args(mini_data, run, "--set", "train.seed=2"), ["train", "--run-dir", str(run), "--resume"]):
             assert main(argv) == 1
             err = capsys.readouterr().err.strip().splitlines()
-            busy = f"{run}: an mtx train is using this run directory; wait for it to end, or choose another --run-dir"
+            busy = (
+                f"{run}: another mtx command is using this run directory (mtx train, or average --as-best); "
+                "wait for it to end, or choose another --run-dir"
+            )
             assert err[-1] == "mtx: error: " + busy
         assert (run / "config.yaml").read_text() == config and first.poll() is None
         wait_for(lambda: train_lines(run) >= 1, first)
@@ -610,7 +628,10 @@ def test_a_second_training_on_a_run_directory_in_use_is_refused(
             capsys.readouterr()
             .err.strip()
             .splitlines()[-1]
-            .endswith("an mtx train is using this run directory; best.pt can be changed once it has ended")
+            .endswith(
+                "another mtx command is using this run directory (mtx train, or average --as-best); "
+                "best.pt can be changed once it has ended"
+            )
         )
     finally:
         first.send_signal(signal.SIGTERM)
@@ -1581,7 +1602,13 @@ def test_commands_to_copy_quote_their_paths(
         load_run(run)
     assert shlex.split(str(refused.value).split("train it first: ")[1]) == [*config, str(run)]
     # while a training holds the run (setting up: no checkpoint yet), that command would be refused
-    with run_dir_lock(run), pytest.raises(MtxError, match="an mtx train is using this run directory; its first"):
+    with (
+        run_dir_lock(run),
+        pytest.raises(
+            MtxError,
+            match=r"another mtx command is using this run directory \(mtx train, or average --as-best\); its first",
+        ),
+    ):
         load_run(run)
     (run / "metrics.jsonl").unlink()
     assert main(["train", "--run-dir", str(run), "--resume"]) == 1

@@ -747,3 +747,20 @@ def test_a_device_that_is_not_here_is_refused_before_the_data_is_sought(
     assert main([*argv, "--set", "train.device=cuda"]) == 1
     assert "cuda requested but no CUDA device is available" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_metrics_record_cut_short_by_a_full_disk_is_taken_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk tore metrics.jsonl's last line, which broke JSON Lines readers (stop 63)."""
+    import os
+
+    path = tmp_path / "metrics.jsonl"
+    with path.open("a", encoding="utf-8") as metrics:
+        train_module._append(metrics, {"event": "train", "step": 1})
+        write = os.write
+        monkeypatch.setattr(os, "write", lambda fd, data: write(fd, data[:10]))  # the disk fills midway
+        with pytest.raises(OSError, match="No space left on device") as full:
+            train_module._append(metrics, {"event": "train", "step": 2})
+        assert full.value.filename == str(path)
+    assert path.read_text(encoding="utf-8") == '{"event": "train", "step": 1}\n'
