@@ -19,11 +19,6 @@ import pickle
 import re
 import shutil
 import warnings
-
-try:
-    import resource  # (not on Windows)
-except ImportError:  # pragma: no cover
-    resource = None  # type: ignore[assignment]
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,6 +31,11 @@ from mtx.config import CONFIG_FILE, Config, ModelConfig, load_run_config
 from mtx.errors import CheckpointError, command_line, not_found, own_command, shown
 from mtx.model import Ensemble, Seq2Seq
 from mtx.tokenizer import BPE, load_run_tokenizers
+
+try:
+    import resource  # the file-size limit of `_write_failure` (not on Windows)
+except ImportError:  # pragma: no cover
+    resource = None  # type: ignore[assignment]
 
 FORMAT_VERSION = 1
 

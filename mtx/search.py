@@ -219,7 +219,6 @@ def beam_search(
     use_cache: bool = True,
     stop: str = "exact",
     text_key: Callable[[list[int]], object] | None = None,
-    first_line: int = 1,
 ) -> list[list[Hypothesis]]:
     """Batched beam search of a (B, S) batch; per sentence the `nbest` best hypotheses.
 

@@ -1622,7 +1622,7 @@ class Trainer:
                 # (stop 63: a batch too large for the device was a 30-line traceback, with no word
                 # on what to lower; one can come thousands of steps in, as batches differ in length)
                 raise MtxError(
-                    f"out of memory on {self.device} in the training step after step {st.step} "
+                    f"out of memory on {self.device} after step {st.step} "
                     f"(train.batch_tokens={tc.batch_tokens}); lower train.batch_tokens (raising "
                     f"train.accum_steps keeps an update's tokens); last.pt from step {self.saved_step} is kept. "
                     f"Resume with: {self._resume_command()} --set train.batch_tokens=N"

@@ -814,7 +814,7 @@ def test_out_of_memory_in_a_training_step_or_a_decode_is_one_line(
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("mtx: error:")]
     assert "Traceback" not in err and len(lines) == 1, err
-    assert "out of memory on cpu in the training step after step 12 (train.batch_tokens=1500)" in lines[0]
+    assert "out of memory on cpu after step 12 (train.batch_tokens=1500)" in lines[0]
     assert "last.pt from step 10 is kept" in lines[0] and "--resume --set train.batch_tokens=N" in lines[0]
     assert "out of memory" in (run_dir / "train.log").read_text().splitlines()[-1]
 
