@@ -1526,6 +1526,19 @@ class FullDisk(io.StringIO):
     def write(self, text: str) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    def fileno(self) -> int:
+        """A descriptor whose writes fail alike (metrics.jsonl is written through its descriptor)."""
+        if not os.path.exists("/dev/full"):
+            pytest.skip("needs /dev/full")
+        if not hasattr(self, "fd"):
+            self.fd = os.open("/dev/full", os.O_WRONLY)
+        return self.fd
+
+    def close(self) -> None:
+        if hasattr(self, "fd"):
+            os.close(self.__dict__.pop("fd"))
+        super().close()
+
 
 def test_a_train_log_that_cannot_be_written_is_one_warning(
     tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
