@@ -492,6 +492,10 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
     if as_best:  # said before the average is made (make_best holds the lock to change best.pt)
         with run_dir_lock(run_dir, _WHILE_TRAINING):
             pass
+    folder = checkpoint_dir(run_dir)
+    if folder.is_dir() and not os.access(folder, os.R_OK | os.X_OK):
+        # (stop 63: glob hid the permission error, and the run "had not validated yet")
+        raise CheckpointError(f"{folder}: cannot list the checkpoints (permission denied); make it readable")
     steps = step_checkpoints(run_dir)
     if not steps:  # (stop 55: keep_last was blamed for a run that had not validated yet)
         why = (

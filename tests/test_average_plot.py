@@ -207,7 +207,19 @@ def test_a_spare_best_single_name_left_by_a_killed_choice_is_not_taken_for_an_av
     assert save_new_best(tmp_path, {"step": 60}) is None and "averaged_from" in _read(ckpts / "best_average.pt")
 
 
-def test_average_of_more_than_the_kept_checkpoints_says_so(run_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_average_of_more_than_the_kept_checkpoints_says_so(
+    run_copy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # checkpoints/ that cannot be listed (stop 63: "the run has not validated yet"); simulated, as
+    # root lists any directory
+    import os
+
+    folder = run_copy / "checkpoints"
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != folder and access(path, mode))
+    assert main(["average", "--run", str(run_copy)]) == 1
+    assert f"{folder}: cannot list the checkpoints (permission denied)" in capsys.readouterr().err
+    monkeypatch.undo()
     kept = len(step_checkpoints(run_copy))
     assert main(["average", "--run", str(run_copy), "--last", str(kept + 5)]) == 0
     out, err = capsys.readouterr()
