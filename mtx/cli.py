@@ -805,24 +805,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
         split_files = eval_split_files(data_dir, args.split, cfg.data.src_lang, cfg.data.tgt_lang)
         src, ref = read_parallel(*split_files, allow_empty=True, as_scored=True)
         name = args.split
-    warn_unless_nfc(ref, str(args.ref or split_files[1]))
-    warn_of_invisible_ends(ref, str(args.ref or split_files[1]))
+    src_file, ref_file = args.src or split_files[0], args.ref or split_files[1]  # the files read
+    warn_unless_nfc(ref, str(ref_file))
+    warn_of_invisible_ends(ref, str(ref_file))
     data = cfg.data
-    trained = [Path(data.dir) / f"{data.train_split}.{data.src_lang}{gz}" for gz in ("", ".gz")]
-    if (args.src is None and args.split == data.train_split) or (
-        args.src is not None and _same_file(args.src, trained)
-    ):
+
+    def scoring(split: str) -> bool:
+        """Whether the source scored is the run's `split`: named by --split, or given as its file."""
+        if args.src is None:
+            return args.split == split
+        return _same_file(args.src, [Path(data.dir) / f"{split}.{data.src_lang}{gz}" for gz in ("", ".gz")])
+
+    if scoring(data.train_split):
         # (stop 61: scored without a word)
         log.warning(
             "%s is what the run was trained on (data.train_split %r): its score measures memory, not translation",
             name,
             cfg.data.train_split,
         )
-    chosen_on = [Path(data.dir) / f"{data.valid_split}.{data.src_lang}{gz}" for gz in ("", ".gz")]
-    if is_test_split(data.valid_split) and (
-        (args.src is None and args.split == data.valid_split)
-        or (args.src is not None and _same_file(args.src, chosen_on))
-    ):
+    if is_test_split(data.valid_split) and scoring(data.valid_split):
         # (stop 63: training warned, eval scored best.pt on the same split without a word)
         log.warning(
             "%s is the run's data.valid_split (%r): its best.pt, patience and validations were chosen on it, "
@@ -901,8 +902,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "precision": _precision(args, cfg),
         # the files decoded with, the run's default one too (stop 63: [] unless --checkpoint was given)
         "checkpoints": [str(p) for p in run.checkpoints],
-        "src_file": str(args.src or split_files[0]),
-        "ref_file": str(args.ref or split_files[1]),
+        "src_file": str(src_file),
+        "ref_file": str(ref_file),
         "sentences": len(src),
         **scores.as_dict(),
         "hypotheses": str(output),
@@ -922,10 +923,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(result))
             return 0
-        stop_note = f", length penalty {alpha:g}" if beam > 1 else ""
-        stop_note += ", stop finished" if beam > 1 and stop == "finished" else ""
+        search_note = f", length penalty {alpha:g}" if beam > 1 else ""
+        search_note += ", stop finished" if beam > 1 and stop == "finished" else ""
         print(
-            f"{name} {result['direction']} beam {beam}{stop_note}, {result['precision']} "
+            f"{name} {result['direction']} beam {beam}{search_note}, {result['precision']} "
             f"({len(src)} sentences, {', '.join(map(str, run.checkpoints))})"
         )
         print(f"BLEU {scores.bleu:6.2f}{_interval(scores.bleu_mean, scores.bleu_ci)}  {scores.bleu_signature}")

@@ -354,6 +354,12 @@ def from_dict(raw: Any, where: str = "config", file_where: str | None = None, se
     """Build a validated Config from nested dicts (e.g. parsed YAML). A key's own error names
     `file_where` (the file) unless --set gave it (`set_keys`); checks across keys name `where`."""
     set_keys = set(set_keys)
+    given = set_keys | {key.partition(".")[0] for key in set_keys}  # --set's keys and their sections
+
+    def origin(dotted: str) -> str:
+        """Where a key's (or a top-level name's) own error points: --set where it gave it, else the file."""
+        return "--set" if dotted in given else file_where or where
+
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -369,8 +375,7 @@ def from_dict(raw: Any, where: str = "config", file_where: str | None = None, se
                     f"{where}: {name}: a config file nests each key in its section; write '{section}:' "
                     f"and under it '  {key}: ...'"
                 )
-            from_set = any(k.partition(".")[0] == str(name) for k in set_keys)
-            raise _unknown(str(name), "--set" if from_set else file_where or where)
+            raise _unknown(str(name), origin(str(name)))
         if value is None:
             value = {}
         if not isinstance(value, dict):
@@ -381,9 +386,9 @@ def from_dict(raw: Any, where: str = "config", file_where: str | None = None, se
         for key, item in value.items():
             dotted = f"{name}.{key}"
             if key not in hints:  # (stop 63: a file's unknown key was blamed on "FILE (with --set)")
-                raise _unknown(dotted, "--set" if dotted in set_keys else file_where or where)
+                raise _unknown(dotted, origin(dotted))
             # (stop 62: a file's bad value was blamed on "FILE (with --set)" whenever --set was given)
-            kwargs[key] = _convert(item, hints[key], dotted, "--set" if dotted in set_keys else file_where or where)
+            kwargs[key] = _convert(item, hints[key], dotted, origin(dotted))
         built[name] = cls(**kwargs)
     cfg = Config(**built)
     try:

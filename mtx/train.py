@@ -809,7 +809,7 @@ class Trainer:
                 "in BPE tokens; raise data.max_len"
             )
         batches = epoch_length(self.train_ids, tc.batch_tokens, tc.seed, 0, ranks.world_size)
-        if batches < tc.accum_steps:  # an epoch without an update: the loop would never end
+        if batches < tc.accum_steps:  # an epoch shorter than one update: refused (its only update a leftover)
             raise MtxError(too_few_batches(len(self.train_ids), batches, tc, ranks.world_size))
         if extra_texts is None:
             extra_texts = extra_source_texts(data_dir, cfg.data)
@@ -1215,7 +1215,7 @@ class Trainer:
                     self.state.batch += len(group)
                     yield group
                     group = []
-            if whole_epoch and seen < tc.accum_steps:  # not one update: the loop would never end
+            if whole_epoch and seen < tc.accum_steps:  # not one whole update (as checked at the start)
                 pairs = len(self._epoch_ids(self.state.epoch))
                 raise MtxError(too_few_batches(pairs, seen, tc, self.ranks.world_size))
             if group:
