@@ -192,6 +192,7 @@ _POSITIVE = {
     "decode.beam",
     "decode.batch_tokens",
 }
+FLOAT32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, without importing torch
 _NON_NEGATIVE = {
     "train.max_epochs",
     "train.max_minutes",
@@ -324,6 +325,8 @@ def _type_name(hint: Any) -> str:
         args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis:
             return "a list of " + {str: "strings", int: "integers", float: "numbers"}.get(args[0], str(args[0]))
+        if len(set(args)) == 1 and args[0] in (int, float):  # (stop 64: "a list of float, float")
+            return f"a list of {len(args)} {'numbers' if args[0] is float else 'integers'}"
         return "a list of " + ", ".join(a.__name__ for a in args)
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
 
@@ -337,15 +340,66 @@ def _section_types() -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
 
-def _unknown(key: str, where: str) -> ConfigError:
-    """The error for an unknown key, with the closest known one, found regardless of case; a key
-    with invisible characters (a non-breaking space) is shown quoted (stop 54)."""
+# other tools' names for mtx's keys (fairseq, OpenNMT-py, JoeyNMT, Hugging Face), for "did you mean"
+_OTHER_NAMES = {
+    "learning_rate": "train.lr",
+    "warmup": "train.warmup_steps",
+    "warmup_updates": "train.warmup_steps",
+    "grad_accum": "train.accum_steps",
+    "gradient_accumulation_steps": "train.accum_steps",
+    "update_freq": "train.accum_steps",
+    "accum_count": "train.accum_steps",
+    "max_update": "train.max_steps",
+    "train_steps": "train.max_steps",
+    "max_epoch": "train.max_epochs",
+    "epochs": "train.max_epochs",
+    "max_tokens": "train.batch_tokens",
+    "batch_size": "train.batch_tokens",
+    "clip_grad_norm": "train.clip_norm",
+    "max_grad_norm": "train.clip_norm",
+    "bf16": "train.amp",
+    "fp16": "train.amp",
+    "beam_size": "decode.beam",
+    "lenpen": "decode.length_penalty",
+    "ema_decay": "train.ema",
+    "dim": "model.d_model",
+    "hidden_size": "model.d_model",
+    "embed_dim": "model.d_model",
+    "heads": "model.n_heads",
+    "ffn_dim": "model.d_ff",
+    "ff_size": "model.d_ff",
+}
+
+
+def _closest_key(key: str) -> str | None:
+    """The known key an unknown `key` most likely meant, regardless of case: another tool's name
+    for it, the key of another section with its name (train.beam: decode.beam), the one key of
+    its section that it begins (train.warmup: train.warmup_steps), else the closest spelling
+    (stop 64: difflib alone answered train.amp for train.warmup and train.ema for train.beam)."""
     keys = _all_keys()
-    leaves = [k.rpartition(".")[2] for k in keys]  # a key put outside its section: lr for train.lr
+    lowered = key.strip().lower()
+    section, _, leaf = lowered.rpartition(".")
+    leaves = [k.rpartition(".")[2] for k in keys]
     known = {leaf: k for leaf, k in zip(leaves, keys, strict=True) if leaves.count(leaf) == 1}
+    if lowered in known.values() or lowered in _section_types():
+        return lowered  # a key or section in other case: TRAIN.LR
+    if leaf in _OTHER_NAMES:
+        return _OTHER_NAMES[leaf]
+    if leaf in known:  # a key put outside its section, or in another one: lr, model.lr
+        return known[leaf]
+    begun = [k for k in keys if k.startswith(f"{section}.{leaf}")] if section and len(leaf) >= 3 else []
+    if len(begun) == 1:
+        return begun[0]
     known |= {k.lower(): k for k in keys + list(_section_types())}
-    close = difflib.get_close_matches(key.strip().lower(), list(known), n=1, cutoff=0.5)
-    hint = f" (did you mean {known[close[0]]}?)" if close else ""
+    close = difflib.get_close_matches(lowered, list(known), n=1, cutoff=0.5)
+    return known[close[0]] if close else None
+
+
+def _unknown(key: str, where: str) -> ConfigError:
+    """The error for an unknown key, with the closest known one (`_closest_key`); a key with
+    invisible characters (a non-breaking space) is shown quoted (stop 54)."""
+    close = _closest_key(key)
+    hint = f" (did you mean {close}?)" if close and close != key else ""
     shown = key if key.isprintable() and key.isascii() and key == key.strip() else repr(key)
     return ConfigError(f"{where}: unknown key {shown}{hint}")
 
@@ -363,7 +417,7 @@ def from_dict(raw: Any, where: str = "config", file_where: str | None = None, se
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: the top level must be a mapping of sections, got {_shown(raw)}")
+        raise ConfigError(f"{file_where or where}: the top level must be a mapping of sections, got {_shown(raw)}")
     sections = _section_types()
     built = {}
     for name, value in raw.items():
@@ -371,15 +425,15 @@ def from_dict(raw: Any, where: str = "config", file_where: str | None = None, se
             section, _, key = str(name).partition(".")
             if section in sections and key in _hints(sections[section]):
                 # (stop 62: "unknown key train.lr (did you mean train.lr?)" for --set's dotted name)
-                raise ConfigError(
-                    f"{where}: {name}: a config file nests each key in its section; write '{section}:' "
+                raise ConfigError(  # (stop 64: these three, the file's, were blamed on "FILE (with --set)")
+                    f"{file_where or where}: {name}: a config file nests each key in its section; write '{section}:' "
                     f"and under it '  {key}: ...'"
                 )
             raise _unknown(str(name), origin(str(name)))
         if value is None:
             value = {}
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: section {name} must be a mapping, got {_shown(value)}")
+            raise ConfigError(f"{file_where or where}: section {name} must be a mapping, got {_shown(value)}")
         cls = sections[name]
         hints = _hints(cls)
         kwargs = {}
@@ -445,6 +499,8 @@ def name_problem(name: str) -> str | None:
     its hypotheses beside them), or None."""
     if not name.strip():
         return f"must not be empty, got {name!r}"
+    if name != name.strip():  # (stop 64: `de` and a no-break space looked for "train.de .gz")
+        return f"must not begin or end with a space, got {name!r}"
     if name in (".", "..") or any(c in name for c in "/\\\0"):
         return f"must be a name within the data directory, not a path, got {name!r}"
     return None
@@ -518,6 +574,12 @@ def validate(cfg: Config, where: str = "config") -> None:
         )
     if not 0.0 <= cfg.train.adam_betas[0] < 1.0 or not 0.0 <= cfg.train.adam_betas[1] < 1.0:
         raise ConfigError(f"{where}: train.adam_betas must both be in [0, 1)")
+    if cfg.train.adam_eps < FLOAT32_TINY:
+        # (stop 64: 1e-46 passed the > 0 check and was 0 in float32: Adam's 0/0 on rows without a gradient)
+        raise ConfigError(
+            f"{where}: train.adam_eps must be at least {FLOAT32_TINY:.3g} (float32's smallest normal number, "
+            f"as the optimizer holds it), got {cfg.train.adam_eps!r}; the default is 1e-9"
+        )
     if m.restrict_output and cfg.tokenizer.bpe_dropout:
         raise ConfigError(
             f"{where}: model.restrict_output needs tokenizer.bpe_dropout: 0 (BPE-dropout makes pieces the "
@@ -586,8 +648,10 @@ def _override_value(key: str, text: str) -> Any:
         raise ConfigError(f"--set {key}: the value is nested too deeply") from None
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str = "--set") -> None:
-    """Apply dotted `section.key=value` overrides to a raw nested dict, in place."""
+def apply_overrides(
+    raw: dict[str, Any], overrides: list[str], where: str = "--set", file_where: str = "config"
+) -> None:
+    """Apply dotted `section.key=value` overrides to a raw nested dict (read from `file_where`), in place."""
     valid = set(_all_keys())
     for text in overrides:  # a key given twice: the last wins, as for any repeated option
         key, text_value = parse_override(text)
@@ -599,8 +663,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str], where: str = "--s
         section, name = key.split(".", 1)
         if raw.get(section) is None:
             raw[section] = {}
-        if not isinstance(raw[section], dict):  # (a TypeError traceback for `train: 5` in the file)
-            raise ConfigError(f"{where} {text}: section {section} must be a mapping, got {_shown(raw[section])}")
+        if not isinstance(raw[section], dict):  # (`train: 5` in the file: a traceback; stop 64: blamed on --set)
+            raise ConfigError(f"{file_where}: section {section} must be a mapping, got {_shown(raw[section])}")
         if _hints(_section_types()[section])[name] is str and not text_value.startswith(("'", '"')):
             # a string key takes the text as typed: YAML would read data.dir=010 as 8, 1:20 as 80,
             # and cut "a #2" at the comment (stop 53); quotes still work
@@ -617,8 +681,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: set[Any] = set()
-    for key_node, _ in node.value:
+    merges = 0
+    for key_node, value_node in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged keys may be overridden
+            merges += 1
+            _check_merge(value_node, key_node.start_mark, merges)
             continue
         key = loader.construct_object(key_node)
         try:
@@ -632,6 +699,30 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[An
         seen.add(key)
     loader.flatten_mapping(node)
     return loader.construct_mapping(node, deep=True)
+
+
+def _check_merge(value: yaml.Node, mark: yaml.Mark, merges: int) -> None:
+    """Refuse the merges whose outcome depends on the PyYAML version (stop 64: `<<: [{lr: 0.001},
+    {lr: 0.5}]` trained at 0.5 with PyYAML 6.0.4, at 0.001 with 6.0.3 and the YAML spec): a
+    second `<<` in one mapping, and a list of mappings that set one key twice."""
+    if merges > 1:
+        raise yaml.constructor.ConstructorError(
+            None, None, "the merge key '<<' appears twice in one mapping; list the mappings in one '<<: [...]'", mark
+        )
+    if not isinstance(value, yaml.SequenceNode):
+        return
+    seen: set[str] = set()
+    for item in value.value:
+        for key_node, _ in item.value if isinstance(item, yaml.MappingNode) else []:
+            if key_node.value in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"two of the mappings merged by '<<' set {key_node.value!r}, and YAML tools differ on which "
+                    "one wins; set it in one of them",
+                    mark,
+                )
+            seen.add(key_node.value)
 
 
 class _ScalarError(yaml.constructor.ConstructorError):
@@ -753,7 +844,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, who
             )
     file_where = where
     if overrides:
-        apply_overrides(raw, overrides)
+        apply_overrides(raw, overrides, file_where=where)
         where = f"{where} (with --set)"
     set_keys = [parse_override(text)[0] for text in overrides or []]
     cfg = from_dict(raw, where, file_where, set_keys)

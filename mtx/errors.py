@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import reprlib
 import shlex
@@ -26,6 +27,8 @@ def shown(value: Any) -> str:
     if isinstance(value, (list, tuple, dict, set)):
         text = _SHORT.repr(value)
         return text if len(text) <= 60 else f"{text[:57]}..."
+    if isinstance(value, datetime.date):  # YAML's 2024-01-05 (stop 64: "datetime.date(2024, 1, 5)")
+        return f"the date {value.isoformat()}"
     try:
         text = repr(value)
     except ValueError:

@@ -1036,6 +1036,20 @@ class Trainer:
             log.info("train.amp auto: going on in %s, as the run was trained", saved if keep else "fp32")
             self.amp = keep
 
+    def _load_optimizer(self, state: dict[str, Any], saved: dict[str, Any], step: int) -> None:
+        """The optimizer's moments from last.pt, under this config's Adam settings: torch's
+        load_state_dict puts back the saved betas, eps and weight decay (stop 64: `--resume --set
+        train.weight_decay=0.1` was written to config.yaml and never used). The rate is set at
+        every step."""
+        settings = [{key: group[key] for key in _ADAM_SETTINGS.values()} for group in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state)
+        for group, own in zip(self.optimizer.param_groups, settings, strict=True):
+            group.update(own)
+        now = to_dict(self.cfg)["train"]
+        for key in _ADAM_SETTINGS:
+            if key in saved and saved[key] != now[key] and self.ranks.is_main:
+                log.info("train.%s: %r until step %d, %r from now on", key, saved[key], step, now[key])
+
     def _restore(self, ckpt: dict[str, Any] | None = None) -> None:
         """Continue from last.pt (`ckpt`, where loaded already): weights, optimizer, scaler, RNG
         states and data position."""
@@ -1048,7 +1062,7 @@ class Trainer:
         ckpt_io.check_compatible(ckpt, path, self.vocab, self.model)
         self.model.load_state_dict(ckpt["model"])
         try:
-            self.optimizer.load_state_dict(ckpt["optimizer"])
+            self._load_optimizer(ckpt["optimizer"], ckpt["config"].get("train", {}), ckpt["state"]["step"])
             if ckpt["scaler"]:  # empty when saved without fp16: a run resumed in fp16 starts a fresh scaler
                 self.scaler.load_state_dict(ckpt["scaler"])
             self.state = TrainState(**ckpt["state"])
@@ -1584,8 +1598,9 @@ class Trainer:
                         raise MtxError(
                             f"{st.bad_steps_in_row} non-finite steps in a row after step {st.step} "
                             f"(train.max_bad_steps); training stopped, checkpoints/last.pt from step "
-                            f"{self.saved_step} kept; lower train.lr or use train.amp=fp32"
-                        )
+                            f"{self.saved_step} kept; lower train.lr"
+                            + (" or use train.amp=fp32" if self.amp is not None else "")
+                        )  # (stop 64: fp32 was advised to runs already in fp32)
                     continue
                 st.bad_steps_in_row = 0
                 st.step += 1
@@ -1949,6 +1964,9 @@ _PLAN_KEYS = (
     ("data", "train_split"),
     ("data", "extra_src_langs"),
 )
+
+# the Adam settings a resume may change: config key -> parameter group key
+_ADAM_SETTINGS = {"adam_betas": "betas", "adam_eps": "eps", "weight_decay": "weight_decay"}
 
 _FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer state depend on
     "tokenizer": tuple(to_dict(Config())["tokenizer"]),

@@ -210,7 +210,7 @@ def test_config_values_that_were_tracebacks_or_silent_are_one_line_errors(
         ("train:\n  max_steps: 10\n", ["train.max_steps=2023-02-29"], "--set train.max_steps: 2023-02-29 is not"),
         ("train:\n  init_from: 2023-02-29\n", [], "c.yaml: malformed YAML at line 2, column 14: 2023-02-29 is not"),
         ("train:\n  max_steps: 10\n", ["train.lr=1" + "0" * 5000], "--set train.lr: the integer 1000"),
-        ("train: [1, 2]\n", ["train.lr=0.1"], "--set train.lr=0.1: section train must be a mapping, got [1, 2]"),
+        ("train: [1, 2]\n", ["train.lr=0.1"], "c.yaml: section train must be a mapping, got [1, 2]"),
         ("train:\n  max_minutes: 1:30\n", [], "YAML 1.1 reads 1:30 as the base-60 number 90"),
         ("train:\n  max_steps: 10\n", ["train.max_minutes=1:30"], "YAML 1.1 reads 1:30 as the base-60 number 90"),
         ("train:\n  dropout_start: 0.1\n", [], "train.dropout_start is set but train.dropout_warmup is 0"),

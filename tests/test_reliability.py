@@ -785,6 +785,8 @@ def test_diverging_training_stops_and_keeps_the_last_good_checkpoint(
     assert "Traceback" not in err and len(lines) == 1, err
     assert "3 non-finite steps in a row after step 12 (train.max_bad_steps)" in lines[0]
     assert "last.pt from step 10 kept" in lines[0] and "train.lr" in lines[0]
+    # fp32 is advised only to a run that is not in fp32 already (stop 64)
+    assert ("use train.amp=fp32" in lines[0]) != ("precision fp32" in (run_dir / "train.log").read_text())
     # train.log says why the run ended too (stop 63: only stderr did)
     logged = (run_dir / "train.log").read_text().splitlines()[-1]
     assert " ERROR error: 3 non-finite steps in a row after step 12" in logged

@@ -736,6 +736,24 @@ def test_resume_takes_eval_sentences_that_pick_the_same_val_pairs(tmp_path: Path
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"] == 4
 
 
+def test_a_resume_trains_on_with_the_adam_settings_it_was_given(tmp_path: Path, mini_data: Path) -> None:
+    """torch's load_state_dict put back the saved betas, eps and weight decay: a resume's --set of
+    them was written to config.yaml and never used (stop 64)."""
+    run = tmp_path / "run"
+    assert main(tiny_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.optimizer=adamw")) == 0
+    changes = ["train.weight_decay=0.05", "train.adam_betas=[0.8, 0.9]", "train.adam_eps=1e-6"]
+    resume = ["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=4"]
+    assert main([*resume, *(arg for change in changes for arg in ("--set", change))]) == 0
+    groups = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["optimizer"]["param_groups"]
+    assert [(g["betas"], g["eps"], g["weight_decay"]) for g in groups] == [
+        ((0.8, 0.9), 1e-6, 0.05),
+        ((0.8, 0.9), 1e-6, 0.0),  # AdamW's biases and norm gains stay undecayed
+    ]
+    log = (run / "train.log").read_text()
+    assert "train.weight_decay: 0.0 until step 2, 0.05 from now on" in log
+    assert "train.adam_betas: [0.9, 0.98] until step 2, [0.8, 0.9] from now on" in log
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
 def test_a_device_that_is_not_here_is_refused_before_the_data_is_sought(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
