@@ -10,6 +10,7 @@ import shlex
 import shutil
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -76,6 +77,25 @@ def take_signals(handler: Callable[[int, Any], None], signals: tuple[int, ...]) 
     ignored one stays ignored: `nohup` ignores SIGHUP and a shell's background job SIGINT (stop 62:
     `nohup mtx train ... &` saved and stopped when its terminal closed)."""
     return {sig: signal.signal(sig, handler) for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN}
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and the stop signals that arrive within are delivered when it ends, to the handlers
+    there were: a wait for threads that a KeyboardInterrupt must not cut (CPython may then let the
+    interpreter end while a thread still runs torch code, which aborts the process)."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    caught: list[int] = []
+    old = take_signals(lambda signum, frame: caught.append(signum), (signal.SIGINT, *STOP_SIGNALS))
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        if caught:
+            signal.raise_signal(caught[0])
 
 
 class Terminated(KeyboardInterrupt):

@@ -19,7 +19,7 @@ import torch
 
 from mtx.config import STOPS
 from mtx.data import pad_ids
-from mtx.errors import MtxError, out_of_memory
+from mtx.errors import MtxError, out_of_memory, signals_deferred
 from mtx.model import Ensemble, EnsembleCache, KVCache, Seq2Seq, make_src_mask
 from mtx.tokenizer import BOS, BPE, EOS, PAD
 
@@ -51,6 +51,13 @@ def length_penalty(length: int | torch.Tensor, alpha: float) -> float | torch.Te
     return ((5.0 + length) / 6.0) ** alpha
 
 
+_worker = threading.local()  # a decoding thread's `cancel` event (`in_workers`)
+
+
+class _Cancelled(Exception):
+    """A decoding thread's batch given up at a step, the command stopping (`in_workers`)."""
+
+
 def _next_log_probs(
     model: Seq2Seq | Ensemble,
     tokens: torch.Tensor,
@@ -61,6 +68,9 @@ def _next_log_probs(
     """(N, t) prefixes -> (N, V) float32 log-probabilities of the next token (V: the model's
     output columns, `Seq2Seq.output_tokens`), -inf for PAD and BOS (`unemitted_columns`). With a
     cache only the last token is fed; without one the whole prefix is recomputed."""
+    cancel = getattr(_worker, "cancel", None)
+    if cancel is not None and cancel.is_set():  # the command is stopping (`in_workers`)
+        raise _Cancelled
     feed = tokens[:, -1:] if cache is not None else tokens
     logits = model.decode(feed, memory, src_mask, cache)[:, -1].float()  # (N, V)
     if logits.device.type != "cpu":
@@ -469,17 +479,28 @@ def in_workers(
     """[fn(b) for b in batches], on `decode_workers(workers, device)` threads that split torch's
     intra-op threads between them, last batch first (`_decode_batches` ends with the longest).
     The weights are packed once for all batches (`Seq2Seq.packed_weights`); torch's thread count
-    is restored after."""
+    is restored after. On an error or Ctrl-C the batches being decoded stop at their next step
+    and those not yet started are dropped (stop 64: Ctrl-C waited for every running batch, up to
+    a minute, and a second Ctrl-C in that wait aborted the process: "terminate called without an
+    active exception"); stop signals in that short wait are delivered after it."""
     workers = min(decode_workers(workers, device), len(batches))
     threads = torch.get_num_threads()
     with model.packed_weights():
         if workers <= 1:
             return [fn(b) for b in batches]
-        pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(max(1, threads // workers),))
+        cancel = threading.Event()
+
+        def start() -> None:
+            torch.set_num_threads(max(1, threads // workers))
+            _worker.cancel = cancel
+
+        pool = ThreadPoolExecutor(workers, initializer=start)
         try:
             return list(pool.map(fn, batches[::-1]))[::-1]
-        finally:  # on an error or Ctrl-C, the batches not yet started are dropped, not decoded first
-            pool.shutdown(wait=True, cancel_futures=True)
+        finally:
+            cancel.set()
+            with signals_deferred():
+                pool.shutdown(wait=True, cancel_futures=True)
             torch.set_num_threads(threads)  # the BLAS thread count is process-wide
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mtx import search
+from mtx import errors, search
 from mtx.checkpoint import LoadedRun, load_run
 from mtx.config import ModelConfig
 from mtx.data import pad_ids, read_lines
@@ -249,6 +250,38 @@ def test_an_error_in_a_decoding_thread_stops_the_rest(tiny_run: Path) -> None:
     assert len(calls) < 10
     assert torch.get_num_threads() == threads
     assert search.in_workers(lambda b: 2 * b, list(range(5)), 2, torch.device("cpu"), model) == [0, 2, 4, 6, 8]
+
+
+def test_an_error_or_ctrl_c_stops_the_batches_being_decoded_at_their_next_step(tiny_run: Path) -> None:
+    """Ctrl-C waited for every running batch (a minute at large --batch-tokens), and a second one
+    in that wait aborted the process (stop 64): the running batches now stop at their next step."""
+    model = load_run(tiny_run).model
+    src = pad_ids([[5, 6, 7]], suffix=EOS)
+    memory = model.encode(src, make_src_mask(src))
+    running, steps = threading.Event(), []
+
+    def decode(batch: int) -> int:
+        if batch == 0:  # decodes "forever": one step after another until it is given up
+            with contextlib.suppress(search._Cancelled):
+                while len(steps) < 100_000:
+                    search._next_log_probs(model, src[:, :1], memory, make_src_mask(src), None)
+                    steps.append(1)
+                    running.set()
+            return batch
+        running.wait(60)
+        raise RuntimeError("batch 1 failed")  # the result waited for first (last batch first)
+
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="batch 1 failed"):
+        search.in_workers(decode, [0, 1], 2, torch.device("cpu"), model)
+    assert 0 < len(steps) < 100_000  # given up, not decoded to its end
+
+
+def test_stop_signals_within_signals_deferred_arrive_after_it() -> None:
+    reached = False
+    with pytest.raises(KeyboardInterrupt), errors.signals_deferred():
+        signal.raise_signal(signal.SIGINT)
+        reached = True
+    assert reached
 
 
 def test_decoding_threads_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
