@@ -391,7 +391,8 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
     checkpoints (of this run's vocabulary) decode as one `Ensemble`."""
     cfg = load_run_config(run_dir)
     src_tok, tgt_tok = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
-    if not checkpoints:
+    defaulted = not checkpoints
+    if defaulted:
         default = default_checkpoint(run_dir)
         if default is None:
             # (stop 62: "train it first" while a training was setting it up, which refused that command)
@@ -413,6 +414,16 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
                 "%s is from step 0: the run has not trained yet (its weights are the ones it starts from, "
                 "random or train.init_from's); its next checkpoint comes at its first validation",
                 path,
+            )
+        state = ckpt.get("state") if isinstance(ckpt.get("state"), dict) else {}
+        if defaulted and path.name == "last.pt" and state.get("best_step"):  # (stop 64: without a word)
+            logging.getLogger("mtx").warning(
+                "%s: no best.pt, though the run validated (best val BLEU %.2f at step %s): decoding with last.pt "
+                "(step %s)",
+                run_dir,
+                state.get("best_bleu", float("nan")),
+                state["best_step"],
+                ckpt.get("step"),
             )
         check(ckpt, path)
         member = build_model(cfg, src_tok, tgt_tok, saved_output_ids(ckpt, path, cfg))

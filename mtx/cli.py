@@ -8,11 +8,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import math
 import os
 import re
+import select
+import shlex
 import signal
 import stat
 import sys
@@ -244,7 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_decode_options(p)
     p.add_argument(
-        "--nbest", type=int, default=1, help="print the K best translations per input as 'i ||| text ||| score'"
+        "--nbest",
+        type=int,
+        default=1,
+        help="print the K best translations per input as 'i ||| text ||| score' (score: log-probability, EOS "
+        "included, over the GNMT length penalty; default 1: plain lines)",
     )
     p.add_argument(
         "--buffer-lines",
@@ -461,8 +468,16 @@ def cmd_translate(args: argparse.Namespace) -> int:
     from_stdin = not texts or texts == ["-"]
     if from_stdin and args.buffer_lines < 1:
         raise MtxError(f"--buffer-lines must be >= 1, got {args.buffer_lines}")
-    if not from_stdin and "-" in texts:
-        raise MtxError("'-' (read standard input) cannot be mixed with TEXT arguments")
+    if not from_stdin and "-" in texts:  # (stop 64: `- -` was "mixed with TEXT arguments")
+        what = "given twice" if set(texts) == {"-"} else "mixed with TEXT arguments"
+        raise MtxError(f"'-' (read standard input) cannot be {what}")
+    if len(texts) == 1 and not from_stdin and " " not in texts[0] and Path(texts[0]).is_file():
+        # (stop 64: `mtx translate notes.de` translated the file's name, as other tools' --input does not)
+        log.warning(
+            "TEXT %r names a file, but is translated as text; to translate the file, give it on standard input (< %s)",
+            texts[0],
+            shlex.quote(texts[0]),
+        )
     if from_stdin and sys.stdin is None:  # (stop 54: an AttributeError's traceback)
         raise MtxError("standard input is closed; give the sentences as TEXT arguments or on standard input")
     if from_stdin and _stdin_is_stdout():
@@ -477,7 +492,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     _, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
     if not 1 <= args.nbest <= beam:
         raise MtxError(f"--nbest must be between 1 and --beam ({beam}), got {args.nbest}")
-    from mtx.data import clean_line, stream_lines
+    from mtx.data import checked_line, stream_lines
     from mtx.search import translate_ids
 
     chunks: Iterable[tuple[int, list[str]]]
@@ -489,7 +504,12 @@ def cmd_translate(args: argparse.Namespace) -> int:
     else:
         # a TEXT holding line breaks (`"$(cat notes.txt)"`) is its lines, as on standard input
         # (stop 62: translated as one sentence, its line breaks as pieces)
-        lines = [clean_line(part) for text in texts for part in text.removesuffix("\n").split("\n")]
+        # (stop 64: one with CR-only line breaks, refused on standard input, was one sentence)
+        lines = [
+            checked_line(part, f"TEXT argument {i}", number, "the text")
+            for i, text in enumerate(texts, 1)
+            for number, part in enumerate(text.removesuffix("\n").split("\n"), 1)
+        ]
         terminal, show_bar, chunks = False, False, [(0, lines)]
     run = _load(args)
     dc = run.cfg.decode
@@ -770,6 +790,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise MtxError("--src and --ref go together (source file and reference file)")
     if args.src is not None and (args.split is not None or args.data_dir is not None):
         raise MtxError("--src/--ref replace --split and --data-dir; give one or the other")
+    for option, path in (("--src", args.src), ("--ref", args.ref)):
+        if path == Path("-"):  # (stop 64: "-: file not found")
+            raise MtxError(f"{option} takes a file; for standard input give {option} /dev/stdin")
     if args.split is None:  # (an empty --split "" is a mistake, not the default)
         args.split = "test_2016_flickr"
     if name_problem(args.split):  # (stop 56: a path read files elsewhere and wrote its hypotheses there)
@@ -1029,6 +1052,37 @@ def _utf8_stdout() -> None:
     encoding = getattr(sys.stdout, "encoding", None) or ""
     if encoding.lower().replace("-", "").replace("_", "") != "utf8" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")
+    with contextlib.suppress(OSError, ValueError):  # no descriptor (a test's capture): nothing to wait on
+        fd = sys.stdout.fileno()
+        if not os.get_blocking(fd):
+            sys.stdout.flush()
+            sys.stdout = io.TextIOWrapper(
+                io.BufferedWriter(_WaitingWriter(fd)), encoding="utf-8", line_buffering=sys.stdout.line_buffering
+            )
+
+
+class _WaitingWriter(io.RawIOBase):
+    """A file descriptor that each write waits for where it is non-blocking (O_NONBLOCK, which
+    any process sharing the pipe or terminal may set): Python's own standard output then drops
+    what the pipe cannot take at once (stop 64: translate wrote 2,304 of 3,000 lines and exited
+    0; eval's scores were lost). The descriptor stays open when this is closed."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, data: Any) -> int:
+        while True:
+            try:
+                return os.write(self.fd, data)
+            except BlockingIOError:
+                select.select([], [self.fd], [])
 
 
 def main(argv: list[str] | None = None) -> int:

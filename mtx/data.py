@@ -103,12 +103,19 @@ def available_splits(data_dir: Path, src_lang: str, tgt_lang: str) -> list[str]:
     return out
 
 
-_OTHER_COMPRESSIONS = [
-    (re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)"), "bzip2-compressed", "bunzip2 -k"),  # a block or the end
-    (re.compile(rb"\xfd7zXZ\x00"), "xz-compressed", "unxz -k"),
-    (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd-compressed", "unzstd"),
-    (re.compile(rb"PK\x03\x04"), "a zip archive's", "unzip"),
+# what compressed data begins with; what it is; the tool that decompresses a file, and one to a pipe
+_COMPRESSIONS = [
+    (re.compile(rb"\x1f\x8b"), "gzip-compressed", "gunzip -k", "zcat"),
+    (re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)"), "bzip2-compressed", "bunzip2 -k", "bzcat"),  # a block or the end
+    (re.compile(rb"\xfd7zXZ\x00"), "xz-compressed", "unxz -k", "xzcat"),
+    (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd-compressed", "unzstd", "zstdcat"),
+    (re.compile(rb"PK\x03\x04"), "a zip archive's", "unzip", "unzip -p"),
 ]
+
+
+def _compression(raw: bytes) -> tuple[str, str, str] | None:
+    """How `raw` is compressed (`_COMPRESSIONS`' kind and tools), or None."""
+    return next((found[1:] for found in _COMPRESSIONS if found[0].match(raw)), None)
 
 
 def read_lines(path: str | Path, allow_empty: bool = False, as_scored: bool = False) -> list[str]:
@@ -121,9 +128,11 @@ def read_lines(path: str | Path, allow_empty: bool = False, as_scored: bool = Fa
             raw = f.read()
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
-        for magic, kind, tool in _OTHER_COMPRESSIONS:  # (stop 62: "not valid UTF-8; re-encode the file")
-            if magic.match(raw):
-                raise DataError(f"{path}: {kind} data; mtx reads plain or gzip files, so decompress it ({tool})")
+        compressed = _compression(raw)  # (stop 62: "not valid UTF-8; re-encode the file")
+        if compressed:
+            raise DataError(
+                f"{path}: {compressed[0]} data; mtx reads plain or gzip files, so decompress it ({compressed[1]})"
+            )
     except FileNotFoundError:
         raise DataError(not_found(path, "file")) from None
     except (OSError, EOFError, zlib.error) as e:  # zlib.error: damaged compressed data behind a good header
@@ -185,11 +194,16 @@ def _invisible(char: str) -> bool:
     )
 
 
-def _checked_line(text: str, source: str, number: int, what: str, clean: Callable[[str], str] = clean_line) -> str:
+def checked_line(text: str, source: str, number: int, what: str, clean: Callable[[str], str] = clean_line) -> str:
     """`clean(text)`, and a carriage return left inside it a `DataError` (stop 53: a file of
     CR-only line ends was read as one line, a whole corpus as one pair; stop 54: on standard
     input too)."""
     line = clean(text)
+    if "\0" in line:  # (stop 64: UTF-16 text without a BOM is valid UTF-8 where it is ASCII; translated as garbage)
+        raise DataError(
+            f"{source}: line {number} holds a NUL byte: UTF-16 text (a NUL beside each letter) or binary data; "
+            f"re-encode {what} as UTF-8 text"
+        )
     if "\r" in line:
         raise DataError(
             f"{source}: line {number} holds a carriage return: a line break inside a line (a spreadsheet cell's), "
@@ -210,7 +224,7 @@ def text_lines(raw: bytes, source: str, what: str, clean: Callable[[str], str] =
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    return [_checked_line(line, source, i, what, clean) for i, line in enumerate(lines, 1)]
+    return [checked_line(line, source, i, what, clean) for i, line in enumerate(lines, 1)]
 
 
 def warn_of_invisible_ends(lines: Sequence[str], source: str, what: str = "reference") -> None:
@@ -259,12 +273,22 @@ def _raw_lines(stream: BinaryIO) -> Iterator[tuple[bytes, bool]]:
             yield line.removesuffix(b"\n"), True
         return
     pending = b""
-    while data := os.read(fd, 1 << 16):
+    while data := _read_waiting(fd):
         *complete, pending = (pending + data).split(b"\n")
         for i, line in enumerate(complete, 1):
             yield line, i < len(complete) or bool(select.select([fd], [], [], 0)[0])
     if pending:
         yield pending, False
+
+
+def _read_waiting(fd: int) -> bytes:
+    """The next bytes of `fd`, waiting for them where it is non-blocking (stop 64: "mtx: error:
+    Resource temporarily unavailable" as soon as a non-blocking pipe was empty for a moment)."""
+    while True:
+        try:
+            return os.read(fd, 1 << 16)
+        except BlockingIOError:
+            select.select([fd], [], [])
 
 
 def stream_lines(stream: BinaryIO, chunk: int, source: str, what: str) -> Iterator[tuple[int, list[str]]]:
@@ -279,8 +303,12 @@ def stream_lines(stream: BinaryIO, chunk: int, source: str, what: str) -> Iterat
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError:
+            compressed = number == 1 and _compression(raw)
+            if compressed:  # (stop 64: "re-encode the input as UTF-8" for `mtx translate < f.gz`)
+                kind, _, pipe = compressed
+                raise DataError(f"{source}: {kind} data; decompress it first ({pipe} FILE | mtx ...)") from None
             raise _not_utf8(source, number, what) from None
-        lines.append(_checked_line(line, source, number, what))
+        lines.append(checked_line(line, source, number, what))
         if len(lines) == chunk or not more:
             yield before, lines
             before, lines = number, []

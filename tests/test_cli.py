@@ -17,6 +17,8 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
+import time
 from pathlib import Path
 from typing import IO
 
@@ -552,6 +554,58 @@ def test_translate_errors_on_a_finished_run(tiny_run: Path, monkeypatch: pytest.
     assert_one_line_error(mtx_here(monkeypatch, "eval", "--run", str(tiny_run), "--split", "nosuch"), "nosuch")
     bad_device = mtx_here(monkeypatch, "eval", "--run", str(tiny_run), "--device", "nosuch")
     assert_one_line_error(bad_device, "--device: unknown device 'nosuch'")
+
+
+def test_translates_arguments_as_standard_input_is_read_and_says_what_it_guesses(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stop 64: a TEXT with CR-only line breaks was one sentence (refused on standard input), a
+    TEXT naming a file was translated without a word, `- -` was "mixed with TEXT arguments",
+    `eval --src -` "not found", and a run without best.pt decoded last.pt silently."""
+    translate = ["translate", "--run", str(tiny_run)]
+    cr = mtx_here(monkeypatch, *translate, "Ein Mann.", "Ein Hund.\rEine Katze.")
+    assert_one_line_error(cr, "TEXT argument 2: line 1 holds a carriage return")
+    named = tmp_path / "notes.de"
+    named.write_text("Ein Mann.\n")
+    r = mtx_here(monkeypatch, *translate, str(named))
+    assert r.returncode == 0 and len(r.stdout.decode().splitlines()) == 1
+    assert f"names a file, but is translated as text; to translate the file, give it on standard input (< {named})" in (
+        r.stderr.decode()
+    )
+    assert_one_line_error(
+        mtx_here(monkeypatch, *translate, "-", "-"), "'-' (read standard input) cannot be given twice"
+    )
+    src_dash = mtx_here(monkeypatch, "eval", "--run", str(tiny_run), "--src", "-", "--ref", str(named))
+    assert_one_line_error(src_dash, "--src takes a file; for standard input give --src /dev/stdin")
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    (run / "checkpoints" / "best.pt").unlink()
+    r = mtx_here(monkeypatch, "translate", "--run", str(run), "Ein Mann.")
+    assert r.returncode == 0
+    assert re.search(
+        r"no best.pt, though the run validated \(best val BLEU [\d.]+ at step \d+\): decoding with last.pt",
+        (r.stderr.decode()),
+    )
+
+
+def test_a_non_blocking_standard_output_takes_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where standard output was non-blocking (O_NONBLOCK, which any process sharing the pipe may
+    set), what the pipe could not take at once was dropped and mtx exited 0 (stop 64: 2,304 of
+    3,000 translations)."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    with os.fdopen(read_end, "rb") as reader, open(write_end, "w", encoding="utf-8", closefd=False) as writer:
+        monkeypatch.setattr(sys, "stdout", writer)
+        _utf8_stdout()
+        got: list[bytes] = []
+        thread = threading.Thread(target=lambda: (time.sleep(0.3), got.append(reader.read())))
+        thread.start()  # a reader that comes late: the pipe's 64 KiB fill up first
+        for i in range(20_000):
+            sys.stdout.write(f"line {i}\n")
+        sys.stdout.flush()
+        os.close(write_end)
+        thread.join(timeout=60)
+    assert got and got[0].decode().splitlines() == [f"line {i}" for i in range(20_000)]
 
 
 def test_eval_never_writes_over_a_file_it_reads_or_another_systems_hypotheses(

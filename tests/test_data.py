@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import bz2
 import gzip
 import io
+import lzma
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -180,6 +183,41 @@ def test_stream_lines_from_a_pipe_fills_batches_and_ends_one_where_the_input_pau
         writer.write(b"f\r\n g")  # the last line needs no newline
         writer.close()
         assert list(lines) == [(5, ["f", "g"])]
+
+
+def test_a_nul_inside_a_line_and_compressed_standard_input_are_named() -> None:
+    """UTF-16 text without a BOM is valid UTF-8 where it is ASCII, a NUL beside each letter: it was
+    translated as garbage, one output line more than the input's (stop 64); compressed data on
+    standard input was told to be re-encoded as UTF-8."""
+    utf16 = "Ein Mann.\nZwei Hunde.\n".encode("utf-16-le")
+    with pytest.raises(DataError, match=r"^standard input: line 1 holds a NUL byte: UTF-16 text .* as UTF-8 text$"):
+        list(stream_lines(io.BytesIO(utf16), 10, "standard input", "the input"))
+    with pytest.raises(DataError, match=r"^f: line 2 holds a NUL byte"):
+        text_lines(b"ok\nEin\x00 Mann\n", "f", "the file")
+    assert text_lines(b"ok\x00\n", "f", "the file") == ["ok"]  # at a line's end, one of the control characters dropped
+    for compress, pipe in ((gzip.compress, "zcat"), (bz2.compress, "bzcat"), (lzma.compress, "xzcat")):
+        packed = stream_lines(io.BytesIO(compress(b"Ein Mann.\n" * 50)), 10, "standard input", "the input")
+        with pytest.raises(
+            DataError, match=rf"^standard input: \w+-compressed data; decompress it first \({pipe} FILE"
+        ):
+            list(packed)
+
+
+def test_a_non_blocking_standard_input_is_waited_for() -> None:
+    """A non-blocking pipe (an event loop's, passed on) ended `mtx translate` with "Resource
+    temporarily unavailable" as soon as it was empty for a moment (stop 64)."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    with os.fdopen(read_end, "rb") as reader, os.fdopen(write_end, "wb") as writer:
+        lines = stream_lines(reader, 10, "standard input", "the input")
+        got: list[tuple[int, list[str]]] = []
+        thread = threading.Thread(target=lambda: got.extend(lines))
+        thread.start()
+        time.sleep(0.2)  # the reader finds the pipe empty first
+        writer.write(b"a\nb\n")
+        writer.close()
+        thread.join(timeout=30)
+        assert not thread.is_alive() and got == [(0, ["a", "b"])]
 
 
 def _lengths(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
