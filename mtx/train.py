@@ -65,6 +65,7 @@ from mtx.errors import (
     named_os_errors,
     out_of_memory,
     own_command,
+    shown,
     take_signals,
     torchrun_command,
 )
@@ -1058,6 +1059,7 @@ class Trainer:
         missing = [k for k in ("optimizer", "scaler", "rng", "state", "config") if k not in ckpt]
         if missing:
             raise CheckpointError(f"{path}: holds weights only (no {', '.join(missing)}); resuming needs a last.pt")
+        _check_resumable(ckpt, path)
         _check_unchanged(ckpt["config"], self.cfg, path, "val_digest" in ckpt)
         ckpt_io.check_compatible(ckpt, path, self.vocab, self.model)
         self.model.load_state_dict(ckpt["model"])
@@ -1108,8 +1110,13 @@ class Trainer:
             st.batch, st.world_size = -(-st.batch * old // self.ranks.world_size), self.ranks.world_size
             log.info("the run was trained on %d rank(s), continues on %d", old, self.ranks.world_size)
         saved, now, st, tc = ckpt["config"], to_dict(self.cfg), self.state, self.cfg.train
+        # a key that an older mtx's last.pt lacks trained as its default (stop 64: every run saved
+        # before data.extra_src_langs went on from the next epoch, "data.extra_src_langs changed")
+        default = to_dict(Config())
         changed = [
-            f"{section}.{key}" for section, key in _PLAN_KEYS if saved.get(section, {}).get(key) != now[section][key]
+            f"{section}.{key}"
+            for section, key in _PLAN_KEYS
+            if saved.get(section, {}).get(key, default[section][key]) != now[section][key]
         ]
         if ckpt.get("data_digest", self.data_digest) != self.data_digest:  # (stop 54: went on at the old position)
             changed.append("the training data")
@@ -1919,6 +1926,7 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, val: str | None = 
             raise MtxError(f"{metrics}: not a file; the run's metrics are appended there: move it away, then resume")
         path = ckpt_io.checkpoint_dir(run_dir) / "last.pt"
         last = ckpt_io.load_checkpoint(path)
+        _check_resumable(last, path)
         _check_unchanged(last.get("config", {}), cfg, path, val is not None and "val_digest" in last)
         if val is not None:
             _check_same_val(last, val, cfg, run_dir, path)
@@ -1977,6 +1985,20 @@ _FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer st
     # sentences it was scored on (stop 55: 2 sentences' 3.51 beat 100 sentences' 2.90)
     "train": ("optimizer", "init_from", "eval_sentences"),
 }
+
+
+def _check_resumable(last: dict[str, Any], path: Path) -> None:
+    """A last.pt's config and training position of the right shapes (stop 64: a hand-edited one,
+    that every load check passed, ended a resume in a traceback)."""
+    config, state = last.get("config", {}), last.get("state", {})
+    if not isinstance(config, dict) or not all(isinstance(section, dict) for section in config.values()):
+        raise CheckpointError(f"{path}: its config is not a mapping of sections; is this a last.pt of mtx train?")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: its training state is not a mapping; is this a last.pt of mtx train?")
+    for key in ("step", "epoch", "batch"):
+        value = state.get(key, 0)
+        if type(value) is not int or value < 0:
+            raise CheckpointError(f"{path}: its training state's {key} is {shown(value)}, not a count; is it damaged?")
 
 
 def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path, val_digest_kept: bool = False) -> None:

@@ -398,6 +398,43 @@ def test_a_resume_that_changes_the_batch_plan_mid_epoch_goes_on_from_the_next_ep
     )
 
 
+def test_a_last_pt_of_an_older_mtx_resumes_where_it_stopped(tmp_path: Path, mini_data: Path) -> None:
+    """A key added since a last.pt was saved trained as its default: every last.pt saved before
+    data.extra_src_langs went on from the next epoch, "changed in the middle of epoch 0" (stop 64)."""
+    run = tmp_path / "run"
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=3", "--set", "train.eval_every=100")) == 0
+    path = run / "checkpoints" / "last.pt"
+    ckpt = load_weights_only(path)
+    del ckpt["config"]["data"]["extra_src_langs"]  # as saved before the key was added
+    torch.save(ckpt, path)
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=4"]) == 0
+    after = load_weights_only(path)["state"]
+    assert (after["step"], after["epoch"], after["batch"]) == (4, 0, 4)
+    assert "changed in the middle" not in (run / "train.log").read_text()
+
+
+def test_a_last_pt_whose_training_state_is_malformed_is_one_line(
+    tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Hand-edited last.pt files that every load check passed ended a resume in a traceback (stop 64)."""
+    run = tmp_path / "run"
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=3", "--set", "train.eval_every=100")) == 0
+    path = run / "checkpoints" / "last.pt"
+    good = load_weights_only(path)
+    cases = [
+        ({"config": [1, 2]}, "its config is not a mapping of sections"),
+        ({"state": [1]}, "its training state is not a mapping"),
+        ({"state": {**good["state"], "step": "abc"}}, "its training state's step is 'abc', not a count"),
+        ({"state": {**good["state"], "epoch": -1}}, "its training state's epoch is -1, not a count"),
+    ]
+    for change, needle in cases:
+        torch.save({**good, **change}, path)
+        capsys.readouterr()
+        assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=4"]) == 1
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and f"{path}: {needle}" in err, err
+
+
 def test_a_resume_on_other_training_data_goes_on_from_the_next_epoch(tmp_path: Path, mini_data: Path) -> None:
     """The plan's position means nothing over other pairs (stop 54: a replaced train split, or
     another data.dir, went on at the old position); the same data in another directory is the
