@@ -20,6 +20,7 @@ import signal
 import stat
 import sys
 import threading
+import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn
@@ -385,6 +386,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from mtx.train import Ranks, fit
 
     run_dir = args.run_dir or Path("runs") / args.config.stem
+    if not args.resume:  # (stop 64: a run made at RUN/checkpoints/step_80.pt stopped RUN's training at step 80)
+        _not_a_runs_file(run_dir, f"--run-dir {run_dir}", "choose another --run-dir")
     state = fit(cfg, run_dir, resume=args.resume)
     if not Ranks.from_env().is_main:  # under torchrun only rank 0 reports
         return 0
@@ -566,6 +569,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if len(args.checkpoint) > 1:
         raise MtxError("export takes one --checkpoint; average several first (mtx average) and export the average")
     if args.out is not None:
+        if str(args.out) == "-":  # (stop 64: a directory named "-")
+            raise MtxError("--out - (standard output) cannot take an exported model, a directory; give a new directory")
         _check_parents("--out", args.out)
         if args.out.exists() and not args.out.is_dir():
             raise MtxError(f"--out {args.out} is a file; give a new directory for the exported model")
@@ -983,6 +988,7 @@ def _interval(mean: float | None, ci: float | None) -> str:
 
 def cmd_average(args: argparse.Namespace) -> int:
     from mtx.checkpoint import average_run, run_files
+    from mtx.config import load_run_config
 
     if args.out is not None:
         if str(args.out) == "-":  # (stop 61: a file named "-")
@@ -993,6 +999,12 @@ def cmd_average(args: argparse.Namespace) -> int:
         if _same_file(args.out, run_files(args.run)):
             raise MtxError(f"--out {args.out} is one of the run's own files; give another path for the average")
         _not_a_runs_file(args.out, f"--out {args.out}", "give another path for the average", own_run=args.run)
+        # (stop 64: a text file, the run's val.en.gz or the plain twin of its train.en.gz became a checkpoint)
+        data = _data_files([Path(load_run_config(args.run).data.dir)])
+        if _same_path(args.out, [*data, *map(_gz_twin, data)]):
+            raise MtxError(f"--out {args.out} is a data file of the run's data directory; give another path")
+        if args.out.is_file() and not zipfile.is_zipfile(args.out):
+            raise MtxError(f"--out {args.out} exists and is not a checkpoint; give a new path for the average")
     out, chosen = average_run(args.run, args.last, args.out, args.as_best)
     what = "1 checkpoint (a copy of its weights)" if len(chosen) == 1 else f"{len(chosen)} checkpoints"
     print(f"averaged {what} ({', '.join(p.name for p in chosen)}) into {out}")

@@ -165,6 +165,12 @@ def _barrier(ranks: Ranks, device: torch.device) -> None:
 
 def start_process_group(device: torch.device, ranks: Ranks) -> None:
     """NCCL on CUDA, gloo on CPU; the rendezvous address comes from torchrun's environment."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:  # (stop 64: torch's 31-line traceback for a WORLD_SIZE left from another job)
+        raise MtxError(
+            f"WORLD_SIZE={ranks.world_size} is set but {' and '.join(missing)} not: start multi-process training "
+            "with torchrun, or unset WORLD_SIZE and RANK"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(

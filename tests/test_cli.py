@@ -40,7 +40,7 @@ from mtx.cli import (
     score_text,
     usable_cpus,
 )
-from mtx.config import load_config
+from mtx.config import load_config, load_run_config
 from mtx.errors import MtxError
 
 from .conftest import REPO, FakeMulti30k, main_in_process, tiny_args
@@ -586,6 +586,42 @@ def test_translates_arguments_as_standard_input_is_read_and_says_what_it_guesses
         r"no best.pt, though the run validated \(best val BLEU [\d.]+ at step \d+\): decoding with last.pt",
         (r.stderr.decode()),
     )
+
+
+def test_outputs_never_replace_data_or_land_inside_another_run(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stop 64: `average --out` wrote checkpoints over the run's val.en.gz, the plain twin of its
+    train.en.gz and any text file; `train --run-dir RUN/checkpoints/step_80.pt` made a run there
+    (RUN's training then failed at step 80 on every resume); `export --out -` made a directory "-";
+    a WORLD_SIZE without torchrun's rendezvous variables was a traceback."""
+    data = Path(load_run_config(tiny_run).data.dir)
+    val = next(data.glob("val.*"))
+    text = tmp_path / "notes.txt"
+    text.write_text("keep me\n")
+    average = ["average", "--run", str(tiny_run), "--last", "1", "--out"]
+    for out, needle in (
+        (val, "is a data file of the run's data directory"),
+        (data / "train.en" if (data / "train.en.gz").exists() else data / "train.en.gz", "data file"),
+        (text, "exists and is not a checkpoint"),
+    ):
+        before = out.read_bytes() if out.exists() else None
+        assert_one_line_error(mtx_here(monkeypatch, *average, str(out)), f"--out {out}", needle)
+        assert (out.read_bytes() if out.exists() else None) == before
+    inside = tiny_run / "checkpoints" / "step_800.pt"
+    r = mtx_here(monkeypatch, *tiny_args(data, inside))
+    assert_one_line_error(r, f"--run-dir {inside} is one of the files of the run {tiny_run}")
+    assert not inside.exists()
+    monkeypatch.chdir(tmp_path)
+    dash = mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--out", "-")
+    assert_one_line_error(dash, "--out - (standard output) cannot take an exported model")
+    assert not (tmp_path / "-").exists() and not (REPO / "-").exists()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    r = mtx_here(monkeypatch, *tiny_args(data, tmp_path / "run2"))
+    assert_one_line_error(r, "WORLD_SIZE=2 is set but MASTER_ADDR and MASTER_PORT not")
 
 
 def test_a_non_blocking_standard_output_takes_everything(monkeypatch: pytest.MonkeyPatch) -> None:
