@@ -12,10 +12,29 @@ DECODE_ARGS ?=
 
 .PHONY: install train test lint format bench bench-train bench-decode bench-ct2 bench-onmt clean
 
+# Why an existing venv cannot be used (empty where it can, or where there is none): its Python gone
+# (uninstalled, upgraded) or older than 3.10, made without pip, or made at another path (a moved or
+# renamed clone: its scripts' #! lines name the old one). Such a venv is made again, saying why.
+VENV_PROBLEM := $(shell [ -d $(VENV) ] || exit 0; \
+	version=$$($(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2]); sys.exit(sys.version_info < (3, 10))' 2>/dev/null); \
+	status=$$?; \
+	if [ $$status = 1 ] && [ -n "$$version" ]; then echo "has Python $$version, mtx needs 3.10+"; \
+	elif [ $$status != 0 ]; then echo "has a python that does not run (the Python it was made from is gone?)"; \
+	elif [ ! -x $(BIN)/pip ]; then echo "has no pip"; \
+	elif ! grep -qF '$(abspath $(BIN))/python' $(BIN)/pip; then echo "was made at another path (a moved clone)"; fi)
+ifneq ($(VENV_PROBLEM),)
+.PHONY: $(STAMP)
+endif
+
 # torch is pinned first: the pin takes the CPU wheel on this machine (a regular build elsewhere);
 # pyproject.toml keeps the honest range torch>=2.4, which the pinned install already satisfies.
 $(STAMP): pyproject.toml
-	test -x $(BIN)/pip || $(PYTHON) -m venv --clear $(VENV)  # (a venv made without pip is made again)
+	@if [ -n "$(VENV_PROBLEM)" ] || [ ! -d $(VENV) ]; then \
+		[ -z "$(VENV_PROBLEM)" ] || echo "make: $(VENV) $(VENV_PROBLEM): making it again"; \
+		$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { \
+			echo "make: mtx needs Python 3.10+, $(PYTHON) is $$($(PYTHON) --version 2>&1): give a newer one as PYTHON=..."; exit 1; }; \
+		echo "$(PYTHON) -m venv --clear $(VENV)"; $(PYTHON) -m venv --clear $(VENV); \
+	fi
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev,plot]'
 	$(BIN)/pip install --quiet -e '.[export]' || echo 'note: no CTranslate2 wheel for this platform; mtx export and its tests are skipped'
@@ -25,11 +44,11 @@ install: $(STAMP)
 
 # a run that has saved a checkpoint is continued (an interrupted `make train` goes on where it stopped)
 train: $(STAMP)
-	@if [ -f $(RUN_DIR)/checkpoints/last.pt ]; then \
+	@if [ -f "$(RUN_DIR)/checkpoints/last.pt" ]; then \
 		echo "make train: $(RUN_DIR) holds a run: continuing it (--resume, with its own config.yaml)"; \
-		$(BIN)/mtx train --run-dir $(RUN_DIR) --resume $(ARGS); \
+		$(BIN)/mtx train --run-dir "$(RUN_DIR)" --resume $(ARGS); \
 	else \
-		$(BIN)/mtx train --config $(CONFIG) --run-dir $(RUN_DIR) $(ARGS); \
+		$(BIN)/mtx train --config "$(CONFIG)" --run-dir "$(RUN_DIR)" $(ARGS); \
 	fi
 
 test: $(STAMP)
@@ -63,4 +82,4 @@ bench-onmt: $(STAMP)
 	$(BIN)/python scripts/bench_onmt.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import tokenizers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from mtx.config import TokenizerConfig
@@ -23,6 +24,12 @@ log = logging.getLogger(__name__)
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 _LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]+")  # where str.splitlines splits
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+
+
+def _tokenizers_before_0_20() -> bool:
+    """Whether the installed tokenizers predates 0.20, which changed how tokenizer.json stores the merges."""
+    major, minor = (int(part) for part in re.findall(r"\d+", tokenizers.__version__)[:2])
+    return (major, minor) < (0, 20)
 
 
 class BPE:
@@ -80,6 +87,12 @@ class BPE:
         except CheckpointError as e:  # special tokens at other ids: name the file
             raise CheckpointError(f"{path}: {e}") from None
         except Exception as e:  # tokenizers raises plain Exception on parse errors
+            if "untagged enum ModelWrapper" in str(e) and _tokenizers_before_0_20():
+                # 0.19 cannot read the merges as 0.20+ writes them: say so, it read as a damaged file
+                raise CheckpointError(
+                    f"{path}: cannot load tokenizer ({e}): the file needs tokenizers>=0.20, "
+                    f"{tokenizers.__version__} is installed (pip install 'tokenizers>=0.20')"
+                ) from None
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
 
 

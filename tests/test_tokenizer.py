@@ -112,3 +112,25 @@ def test_a_tokenizer_file_with_other_special_ids_is_named_and_a_small_vocabulary
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(CheckpointError, match=r"^.*/tokenizer\.json: tokenizer: special token <pad> must have id 0$"):
         BPE.load(tmp_path / "tokenizer.json")
+
+
+def test_a_tokenizer_file_from_tokenizers_0_20_on_0_19_names_the_version_it_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tokenizers 0.19 cannot read 0.20's merges; its enum error read as a damaged file (stop 64)."""
+    import mtx.tokenizer
+
+    tok = train_bpe(["Ein Mann fährt Fahrrad."] * 10, TokenizerConfig(vocab_size=300, min_frequency=1))
+    tok.save(tmp_path / "tokenizer.json")
+    enum_error = "data did not match any variant of untagged enum ModelWrapper at line 4032 column 3"
+
+    def from_str(text: str) -> None:
+        raise Exception(enum_error)
+
+    monkeypatch.setattr(mtx.tokenizer.Tokenizer, "from_str", from_str)
+    with pytest.raises(CheckpointError) as plain:  # on 0.20+ the same error means a damaged file
+        BPE.load(tmp_path / "tokenizer.json")
+    assert str(plain.value).endswith(f"tokenizer.json: cannot load tokenizer ({enum_error})")
+    monkeypatch.setattr(mtx.tokenizer.tokenizers, "__version__", "0.19.1")
+    with pytest.raises(CheckpointError, match=r"needs tokenizers>=0\.20, 0\.19\.1 is installed"):
+        BPE.load(tmp_path / "tokenizer.json")
