@@ -51,8 +51,12 @@ from mtx.data import (
     load_corpus,
     padding_fraction,
     plan_batches,
+    read_lines,
     resolve_data_dir,
+    split_file,
     texts,
+    warn_if_validating_on_train,
+    warn_of_invisible_ends,
     warn_unless_nfc,
 )
 from mtx.errors import (
@@ -820,12 +824,8 @@ class Trainer:
         self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
         self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
         self.setup_seconds = 0.0  # of epochs' setup since the fit loop last took it (`_micro_batches`)
-        if cfg.data.valid_split == cfg.data.train_split and ranks.is_main:
-            log.warning(
-                "data.valid_split is the training split (%r): val loss and BLEU measure the training data, "
-                "and best.pt, patience and choices made on them will favour overfitting",
-                cfg.data.train_split,
-            )
+        if ranks.is_main:
+            warn_if_validating_on_train(cfg.data)
         if is_test_split(cfg.data.train_split) and ranks.is_main:  # (stop 61: not a word)
             log.warning(
                 "data.train_split is a test split (%r): the model learns the sentences it would be tested on, "
@@ -839,11 +839,16 @@ class Trainer:
                 cfg.data.valid_split,
             )
         n_val = tc.eval_sentences or len(valid_src)
-        self.valid_refs = valid_tgt[:n_val]
+        # val BLEU and chrF score the references as sacreBLEU reads the file, as `mtx eval` does, with
+        # its warning; the val loss keeps the cleaned targets the model trains on (stop 64: training
+        # scored references stripped of invisible ends, a val BLEU that mtx eval did not give)
+        ref_file = split_file(data_dir, cfg.data.valid_split, cfg.data.tgt_lang)
+        self.valid_refs = read_lines(ref_file, as_scored=True)[:n_val]
         self.val_digest = val_digest(cfg, valid_src, valid_tgt)  # what best.pt's val BLEU was scored on
         if ranks.is_main:
             warn_unless_nfc(self.valid_refs, f"{cfg.data.valid_split}.{cfg.data.tgt_lang}")
-        self.valid_ids = ParallelIds.encode(valid_src[:n_val], self.valid_refs, self.src_tok, self.tgt_tok)
+            warn_of_invisible_ends(self.valid_refs, str(ref_file))
+        self.valid_ids = ParallelIds.encode(valid_src[:n_val], valid_tgt[:n_val], self.src_tok, self.tgt_tok)
         # the val loss is over the pairs the model's positions hold (EOS or BOS added to each side);
         # BLEU is over all of them, longer sources truncated as `mtx translate` does
         longest = np.maximum(self.valid_ids.src_lens, self.valid_ids.tgt_lens)  # EOS / BOS included
