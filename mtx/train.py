@@ -1495,8 +1495,6 @@ class Trainer:
 
         Under DDP every rank runs this loop in step: the same number of batches per epoch, the
         stop signal agreed at each step, validation shared out and scored on rank 0."""
-        from tqdm import tqdm
-
         if stop is None:
             with StopRequest() as own:
                 return self.fit(own)
@@ -1553,7 +1551,8 @@ class Trainer:
             )
         main = self.ranks.is_main
         metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") if main else None
-        bar = tqdm(
+        bar = progress_bar(
+            (lambda: 60 * tc.max_minutes - st.elapsed) if tc.max_minutes else None,
             total=tc.max_steps,
             initial=st.step,
             unit="step",
@@ -2008,6 +2007,31 @@ _PER_MACHINE = frozenset({"data.dir", "train.threads"})
 def _flat(tree: dict[str, Any]) -> dict[str, Any]:
     """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}."""
     return {f"{section}.{key}": value for section, keys in tree.items() for key, value in keys.items()}
+
+
+def progress_bar(seconds_left: Callable[[], float] | None, **options: Any) -> Any:
+    """A tqdm bar of steps whose time left is at most `seconds_left()`, what train.max_minutes
+    leaves, where that ends the run before the bar's total (stop 64: it counted to max_steps, 1:29:32
+    left in a run whose budget ended 15 s later); None: tqdm's own estimate."""
+    from tqdm import tqdm
+
+    class BudgetBar(tqdm):
+        @property
+        def format_dict(self) -> dict[str, Any]:
+            values = super().format_dict
+            if seconds_left is None:
+                return values
+            n, total, elapsed = values["n"], values["total"], values["elapsed"]
+            rate = values["rate"] or ((n - values["initial"]) / elapsed if elapsed else None)
+            left = max(0.0, seconds_left())
+            if rate:
+                left = min(left, (total - n) / rate)
+            # `remaining` reaches format_meter's fields, and the format names it (its default has it built in)
+            values["remaining"] = self.format_interval(left)
+            values["bar_format"] = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+            return values
+
+    return BudgetBar(**options)
 
 
 class UntilReaderGone:

@@ -825,3 +825,23 @@ def test_validation_scores_references_as_mtx_eval_reads_them(
     assert scores is not None and scores["val_bleu"] == marked.bleu and scores["val_chrf"] == marked.chrf
     assert marked.bleu < corpus_scores(outputs[0], clean).bleu  # the test tells the two apart
 
+
+def test_progress_bar_time_left_ends_with_the_time_budget() -> None:
+    """stop 64: with train.max_minutes the bar's time left counted to train.max_steps (1:29:32 left
+    in a run whose budget ended 15 s later). It is at most what the budget leaves, and tqdm's own
+    estimate where max_steps comes first."""
+    import io
+
+    from mtx.train import progress_bar
+
+    options = {"file": io.StringIO(), "mininterval": 0, "unit": "step", "ncols": 120}
+    bar = progress_bar(lambda: 30.0, total=2**50, **options)  # max_steps out of reach in 30 s at any rate
+    bar.update(10)
+    bar.set_postfix(loss="4.000")
+    assert "10/1125899906842624 [00:00<00:30, " in str(bar) and "loss=4.000" in str(bar), str(bar)
+    bar = progress_bar(lambda: 3600.0, total=10, **options)  # max_steps reached first: nothing left
+    bar.update(10)
+    assert "10/10 [00:00<00:00, " in str(bar), str(bar)
+    bar = progress_bar(lambda: -5.0, total=2**50, **options)  # the budget used: never a negative time
+    bar.update(1)
+    assert "<00:00, " in str(bar), str(bar)
