@@ -524,3 +524,13 @@ def test_bench_train_honours_train_amp_threads_and_counts_the_softmax_as_mtx_tra
     model = Seq2Seq(cfg.model, tok.vocab_size, tok.vocab_size, joint_vocab=True, output_ids=ids.target_vocabulary())
     expected = f"softmax over {len(model.output_ids)} of {tok.vocab_size} target pieces"
     assert any(expected in line for line in lines), out
+
+
+def test_bench_decode_says_faster_than_greedy_below_one() -> None:
+    """stop 64: a ratio of seconds below 1 read "0.96x slower than greedy"."""
+    import runpy
+
+    against_greedy = runpy.run_path(str(SCRIPT), run_name="bench_decode")["against_greedy"]
+    assert against_greedy(2.5) == "2.50x slower than greedy"
+    assert against_greedy(1.0) == "1.00x slower than greedy"
+    assert against_greedy(0.8) == "1.25x faster than greedy"
