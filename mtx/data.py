@@ -50,6 +50,17 @@ def is_test_split(split: str) -> bool:
     return split in MULTI30K_TESTS or split.lower().startswith("test")
 
 
+def warn_if_validating_on_train(cfg: DataConfig) -> None:
+    """Warn where data.valid_split is the training split: what is scored, and chosen, on it is the
+    training data (mtx train; choose_on_val since stop 64, where it chose on train without a word)."""
+    if cfg.valid_split == cfg.train_split:
+        log.warning(
+            "data.valid_split is the training split (%r): val loss and BLEU measure the training data, "
+            "and best.pt, patience and choices made on them will favour overfitting",
+            cfg.train_split,
+        )
+
+
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _SHARED_COPIES = (Path("../shared/data/multi30k"), _REPO_ROOT.parent / "shared/data/multi30k")
 

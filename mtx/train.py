@@ -51,8 +51,12 @@ from mtx.data import (
     load_corpus,
     padding_fraction,
     plan_batches,
+    read_lines,
     resolve_data_dir,
+    split_file,
     texts,
+    warn_if_validating_on_train,
+    warn_of_invisible_ends,
     warn_unless_nfc,
 )
 from mtx.errors import (
@@ -827,12 +831,8 @@ class Trainer:
         self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
         self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
         self.setup_seconds = 0.0  # of epochs' setup since the fit loop last took it (`_micro_batches`)
-        if cfg.data.valid_split == cfg.data.train_split and ranks.is_main:
-            log.warning(
-                "data.valid_split is the training split (%r): val loss and BLEU measure the training data, "
-                "and best.pt, patience and choices made on them will favour overfitting",
-                cfg.data.train_split,
-            )
+        if ranks.is_main:
+            warn_if_validating_on_train(cfg.data)
         if is_test_split(cfg.data.train_split) and ranks.is_main:  # (stop 61: not a word)
             log.warning(
                 "data.train_split is a test split (%r): the model learns the sentences it would be tested on, "
@@ -846,11 +846,16 @@ class Trainer:
                 cfg.data.valid_split,
             )
         n_val = tc.eval_sentences or len(valid_src)
-        self.valid_refs = valid_tgt[:n_val]
+        # val BLEU and chrF score the references as sacreBLEU reads the file, as `mtx eval` does, with
+        # its warning; the val loss keeps the cleaned targets the model trains on (stop 64: training
+        # scored references stripped of invisible ends, a val BLEU that mtx eval did not give)
+        ref_file = split_file(data_dir, cfg.data.valid_split, cfg.data.tgt_lang)
+        self.valid_refs = read_lines(ref_file, as_scored=True)[:n_val]
         self.val_digest = val_digest(cfg, valid_src, valid_tgt)  # what best.pt's val BLEU was scored on
         if ranks.is_main:
             warn_unless_nfc(self.valid_refs, f"{cfg.data.valid_split}.{cfg.data.tgt_lang}")
-        self.valid_ids = ParallelIds.encode(valid_src[:n_val], self.valid_refs, self.src_tok, self.tgt_tok)
+            warn_of_invisible_ends(self.valid_refs, str(ref_file))
+        self.valid_ids = ParallelIds.encode(valid_src[:n_val], valid_tgt[:n_val], self.src_tok, self.tgt_tok)
         # the val loss is over the pairs the model's positions hold (EOS or BOS added to each side);
         # BLEU is over all of them, longer sources truncated as `mtx translate` does
         longest = np.maximum(self.valid_ids.src_lens, self.valid_ids.tgt_lens)  # EOS / BOS included
@@ -1503,8 +1508,6 @@ class Trainer:
 
         Under DDP every rank runs this loop in step: the same number of batches per epoch, the
         stop signal agreed at each step, validation shared out and scored on rank 0."""
-        from tqdm import tqdm
-
         if stop is None:
             with StopRequest() as own:
                 return self.fit(own)
@@ -1561,7 +1564,8 @@ class Trainer:
             )
         main = self.ranks.is_main
         metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") if main else None
-        bar = tqdm(
+        bar = progress_bar(
+            (lambda: 60 * tc.max_minutes - st.elapsed) if tc.max_minutes else None,
             total=tc.max_steps,
             initial=st.step,
             unit="step",
@@ -2031,6 +2035,31 @@ _PER_MACHINE = frozenset({"data.dir", "train.threads"})
 def _flat(tree: dict[str, Any]) -> dict[str, Any]:
     """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}."""
     return {f"{section}.{key}": value for section, keys in tree.items() for key, value in keys.items()}
+
+
+def progress_bar(seconds_left: Callable[[], float] | None, **options: Any) -> Any:
+    """A tqdm bar of steps whose time left is at most `seconds_left()`, what train.max_minutes
+    leaves, where that ends the run before the bar's total (stop 64: it counted to max_steps, 1:29:32
+    left in a run whose budget ended 15 s later); None: tqdm's own estimate."""
+    from tqdm import tqdm
+
+    class BudgetBar(tqdm):
+        @property
+        def format_dict(self) -> dict[str, Any]:
+            values = super().format_dict
+            if seconds_left is None:
+                return values
+            n, total, elapsed = values["n"], values["total"], values["elapsed"]
+            rate = values["rate"] or ((n - values["initial"]) / elapsed if elapsed else None)
+            left = max(0.0, seconds_left())
+            if rate:
+                left = min(left, (total - n) / rate)
+            # `remaining` reaches format_meter's fields, and the format names it (its default has it built in)
+            values["remaining"] = self.format_interval(left)
+            values["bar_format"] = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+            return values
+
+    return BudgetBar(**options)
 
 
 class UntilReaderGone:

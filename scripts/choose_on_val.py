@@ -48,7 +48,14 @@ from mtx.checkpoint import (  # noqa: E402
 )
 from mtx.cli import path_arg, refuse_repeats, thread_count, usable_cpus  # noqa: E402
 from mtx.config import AT_MOST, MAX_LENGTH_PENALTY  # noqa: E402
-from mtx.data import is_test_split, read_parallel, split_file  # noqa: E402
+from mtx.data import (  # noqa: E402
+    is_test_split,
+    read_parallel,
+    split_file,
+    warn_if_validating_on_train,
+    warn_of_invisible_ends,
+    warn_unless_nfc,
+)
 from mtx.errors import MtxError, command_line, environment_mtx, run_script  # noqa: E402
 from mtx.evaluate import PAIRED_SAMPLES, corpus_scores, paired_tests  # noqa: E402
 from mtx.model import Ensemble, Seq2Seq  # noqa: E402
@@ -171,9 +178,13 @@ def choose(args: argparse.Namespace) -> None:
         )
     if not data_dir.is_dir():  # (stop 57: "no val.de or val.de.gz")
         raise MtxError(f"{args.run}: its data.dir {data_dir} is not a directory here; set it in the run's config.yaml")
-    src, refs = read_parallel(
-        split_file(data_dir, split, cfg.data.src_lang), split_file(data_dir, split, cfg.data.tgt_lang)
-    )
+    warn_if_validating_on_train(cfg.data)  # (stop 64: it chose on train, as "val BLEU", without a word)
+    ref_file = split_file(data_dir, split, cfg.data.tgt_lang)
+    # the references as sacreBLEU reads them, with mtx eval's warnings (stop 64: stripped of invisible
+    # ends, a val BLEU of 3.76 where the printed mtx eval command gave 2.10)
+    src, refs = read_parallel(split_file(data_dir, split, cfg.data.src_lang), ref_file, as_scored=True)
+    warn_unless_nfc(refs, str(ref_file))
+    warn_of_invisible_ends(refs, str(ref_file))
     src_ids = run.src_tok.encode_batch(src)
     alpha = cfg.decode.length_penalty
     print(f"{args.run}: {split}, beam {cfg.decode.beam}, length penalty {alpha:g}, {cfg.decode.precision}")

@@ -639,3 +639,46 @@ def test_a_type_matplotlib_fails_to_write_is_a_one_line_error(
     assert main(["plot", "--run", str(run), "--out", str(tmp_path / "sub" / "dir" / "y.pgf")]) == 1
     assert "matplotlib cannot write it" in capsys.readouterr().err and not (tmp_path / "sub").exists()
     assert earlier.read_text() == "kept"
+
+
+def test_choose_on_val_scores_references_as_mtx_eval_and_warns_of_choosing_on_train(
+    run_copy: Path,
+    small_data: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """stop 64: it scored references stripped of invisible ends (a left-to-right mark before each
+    line: val BLEU 3.76 where its printed `mtx eval` command gave 2.10), and chose on the training
+    split without a word where data.valid_split was train. Now eval's references and warnings, and
+    mtx train's warning."""
+    from mtx.evaluate import corpus_scores
+
+    data = tmp_path / "data"
+    data.mkdir()
+    clean = (small_data / "val.en").read_text(encoding="utf-8").splitlines()[:100]
+    (data / "dev.en").write_text("".join(f"\u200e{line}\n" for line in clean), encoding="utf-8")
+    (data / "dev.de").write_text("".join((small_data / "val.de").read_text().splitlines(True)[:100]))
+    config = run_copy / "config.yaml"
+    text = config.read_text().replace(str(small_data), str(data))
+    text = text.replace("valid_split: val\n", "valid_split: dev\n").replace("split: train\n", "split: dev\n")
+    config.write_text(text)  # validated, and trained, on dev
+    outputs = []
+    search_translate = mtx.search.translate
+
+    def recorded(*args: object, **options: object) -> list[str]:
+        outputs.append(search_translate(*args, **options))
+        return outputs[-1]
+
+    monkeypatch.setattr(mtx.search, "translate", recorded)
+    script = Path(__file__).resolve().parent.parent / "scripts" / "choose_on_val.py"
+    args = ["--run", str(run_copy), "--last", "", "--ensemble", "", "--length-penalty", ""]
+    code, out, err = script_in_process(script, args, monkeypatch, capsys)
+    assert code == 0, err
+    assert "data.valid_split is the training split ('dev'): val loss and BLEU measure the training data" in err
+    assert f"{data / 'dev.en'}: 100 of 100 reference lines begin or end with invisible characters" in err
+    result = json.loads(out.splitlines()[-1])
+    marked = [round(corpus_scores(text, [f"\u200e{line}" for line in clean]).bleu, 2) for text in outputs]
+    # the start (best.pt, decoded first) and the choice among best.pt and ema.pt, as eval scores them
+    assert result["start_val_bleu"] == marked[0] < round(corpus_scores(outputs[0], clean).bleu, 2)
+    assert result["val_bleu"] == max(marked)

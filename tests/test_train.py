@@ -782,3 +782,66 @@ def test_a_metrics_record_cut_short_by_a_full_disk_is_taken_back(
             train_module._append(metrics, {"event": "train", "step": 2})
         assert full.value.filename == str(path)
     assert path.read_text(encoding="utf-8") == '{"event": "train", "step": 1}\n'
+
+
+def test_validation_scores_references_as_mtx_eval_reads_them(
+    tmp_path: Path,
+    small_data: Path,
+    tiny_run: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """stop 64: training's val BLEU scored references stripped of invisible ends (a left-to-right
+    mark before each line), while `mtx eval` scores them as sacreBLEU reads the file: two val BLEUs
+    for one checkpoint. Now the same references as eval's, with its warning; the val loss keeps the
+    cleaned targets."""
+    from mtx.config import load_config
+    from mtx.evaluate import corpus_scores
+    from mtx.train import Trainer, prepare_run_dir
+
+    from .conftest import TINY_CONFIG
+
+    data = tmp_path / "data"
+    shutil.copytree(small_data, data)
+    clean = (small_data / "val.en").read_text(encoding="utf-8").splitlines()[:100]
+    (data / "val.en").write_text("".join(f"\u200e{line}\n" for line in clean), encoding="utf-8")
+    (data / "val.de").write_text("".join((small_data / "val.de").read_text().splitlines(True)[:100]))
+    cfg = load_config(TINY_CONFIG, [f"data.dir={data}", f"train.init_from={tiny_run}", "train.eval_sentences=0"])
+    run_dir = tmp_path / "run"
+    prepare_run_dir(run_dir, cfg, resume=False)
+    trainer = Trainer(cfg, run_dir, resume=False)
+    assert f"{data / 'val.en'}: 100 of 100 reference lines begin or end with invisible characters" in caplog.text
+    assert trainer.valid_ids.tgt_ids == trainer.tgt_tok.encode_batch(clean)  # the val loss's targets
+    outputs = []
+
+    def recorded(*args: object, **options: object) -> list[str]:
+        outputs.append(translate(*args, **options))
+        return outputs[-1]
+
+    translate = train_module.translate
+    monkeypatch.setattr(train_module, "translate", recorded)
+    scores = trainer.validate()
+    marked = corpus_scores(outputs[0], [f"\u200e{line}" for line in clean])
+    assert scores is not None and scores["val_bleu"] == marked.bleu and scores["val_chrf"] == marked.chrf
+    assert marked.bleu < corpus_scores(outputs[0], clean).bleu  # the test tells the two apart
+
+
+def test_progress_bar_time_left_ends_with_the_time_budget() -> None:
+    """stop 64: with train.max_minutes the bar's time left counted to train.max_steps (1:29:32 left
+    in a run whose budget ended 15 s later). It is at most what the budget leaves, and tqdm's own
+    estimate where max_steps comes first."""
+    import io
+
+    from mtx.train import progress_bar
+
+    options = {"file": io.StringIO(), "mininterval": 0, "unit": "step", "ncols": 120}
+    bar = progress_bar(lambda: 30.0, total=2**50, **options)  # max_steps out of reach in 30 s at any rate
+    bar.update(10)
+    bar.set_postfix(loss="4.000")
+    assert "10/1125899906842624 [00:00<00:30, " in str(bar) and "loss=4.000" in str(bar), str(bar)
+    bar = progress_bar(lambda: 3600.0, total=10, **options)  # max_steps reached first: nothing left
+    bar.update(10)
+    assert "10/10 [00:00<00:00, " in str(bar), str(bar)
+    bar = progress_bar(lambda: -5.0, total=2**50, **options)  # the budget used: never a negative time
+    bar.update(1)
+    assert "<00:00, " in str(bar), str(bar)
