@@ -283,13 +283,19 @@ def _raw_lines(stream: BinaryIO) -> Iterator[tuple[bytes, bool]]:
         for line in stream:
             yield line.removesuffix(b"\n"), True
         return
-    pending = b""
+    pending: list[bytes] = []  # a line's parts read so far: joined once its end comes (stop 64: joined
+    # at every read, 64 KiB at a time, a 64 MB line without a newline took 83 s, against 16 s for 16 MB)
     while data := _read_waiting(fd):
-        *complete, pending = (pending + data).split(b"\n")
+        if b"\n" not in data:
+            pending.append(data)
+            continue
+        *complete, rest = data.split(b"\n")
+        complete[0] = b"".join([*pending, complete[0]])
+        pending = [rest] if rest else []
         for i, line in enumerate(complete, 1):
             yield line, i < len(complete) or bool(select.select([fd], [], [], 0)[0])
     if pending:
-        yield pending, False
+        yield b"".join(pending), False
 
 
 def _read_waiting(fd: int) -> bytes:
