@@ -235,6 +235,13 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     except FileNotFoundError:  # (stop 62: "truncated or corrupted" of a file a training had just removed)
         raise CheckpointError(removed) from None
     except Exception:  # noqa: BLE001 - whatever a damaged archive raises (stop 62: NotImplementedError, zlib.error)
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5:  # a pickle's protocol mark, not a zip's "PK"
+            raise CheckpointError(  # (stop 64: called corrupted, which could get a good file deleted)
+                f"{path}: a plain pickle or torch's legacy (pre-1.6) format, not the zip archive that torch.save "
+                "writes and mtx reads; refused to load"
+            ) from None
         raise CheckpointError(
             f"{path}: truncated or corrupted checkpoint (not a complete torch.save archive); refused to load"
         ) from None

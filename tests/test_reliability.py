@@ -931,6 +931,10 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+def _legacy_format(path: Path) -> None:
+    torch.save(load_weights_only(path), path, _use_new_zipfile_serialization=False)
+
+
 def _directory_instead(path: Path) -> None:
     path.unlink()
     path.mkdir()
@@ -1266,6 +1270,11 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         "truncated checkpoint (resume)",
         lambda t, d, r: (["train", "--run-dir", str(_damaged(r, t, _truncate)), "--resume"], None),
         ("last.pt: truncated or corrupted checkpoint",),
+    ),
+    (
+        "a whole checkpoint in torch's legacy format (called truncated or corrupted before stop 64)",
+        lambda t, d, r: (["translate", "--run", str(_damaged(r, t, _legacy_format)), "x"], None),
+        ("last.pt: a plain pickle or torch's legacy (pre-1.6) format, not the zip archive",),
     ),
     (
         "bit-flipped checkpoint",
