@@ -270,6 +270,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if not all(isinstance(v, torch.Tensor) for v in obj["model"].values()):
         raise CheckpointError(f"{path}: not an mtx checkpoint ('model' holds values other than tensors)")
     version = obj.get("format_version")
+    if version is None:  # (stop 64: "checkpoint format None is not supported", as if of another version)
+        raise CheckpointError(f"{path}: not an mtx checkpoint (no format_version): only use checkpoints written by mtx")
     if version != FORMAT_VERSION:
         raise CheckpointError(
             f"{path}: checkpoint format {shown(version)} is not supported (expected {FORMAT_VERSION})"
@@ -293,6 +295,8 @@ def check_same_model(ckpt: dict[str, Any], path: Path, vocab: str, model_cfg: Mo
     """One-line errors when a checkpoint's vocabulary or model settings differ from the run's,
     before a model is built for it. The settings that change no parameter's shape (`n_heads`,
     `fix_norm`, `pre_norm`, `max_positions`) loaded silently into the wrong model before stop 53."""
+    if "vocab" not in ckpt:  # (stop 64: "fingerprint mismatch" of a file that has none)
+        raise CheckpointError(f"{path}: no vocabulary fingerprint ('vocab'); only use checkpoints written by mtx")
     if ckpt.get("vocab") != vocab:
         raise CheckpointError(
             f"{path}: vocabulary differs from the run's tokenizer (fingerprint mismatch); "

@@ -1277,6 +1277,19 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ("last.pt: a plain pickle or torch's legacy (pre-1.6) format, not the zip archive",),
     ),
     (
+        "a checkpoint without format_version ('format None is not supported' before stop 64)",
+        lambda t, d, r: (
+            ["translate", "--run", str(_damaged(r, t, _edited(lambda c: c.pop("format_version")))), "x"],
+            None,
+        ),
+        ("last.pt: not an mtx checkpoint (no format_version)",),
+    ),
+    (
+        "a checkpoint without its vocabulary's fingerprint ('fingerprint mismatch' before stop 64)",
+        lambda t, d, r: (["translate", "--run", str(_damaged(r, t, _edited(lambda c: c.pop("vocab")))), "x"], None),
+        ("last.pt: no vocabulary fingerprint ('vocab')",),
+    ),
+    (
         "bit-flipped checkpoint",
         lambda t, d, r: (["translate", "--run", str(_damaged(r, t, _flip_byte)), "x"], None),
         ("last.pt: corrupted checkpoint", "CRC"),
