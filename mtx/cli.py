@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="also print 95%% confidence intervals of BLEU and chrF from N bootstrap resamples of the sentences "
-        "(sacreBLEU's, seeded; 1000 is usual)",
+        "(sacreBLEU's, seeded; 1000 is usual; default 0: none)",
     )
     p.add_argument(
         "--paired",
@@ -354,7 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="output image: PNG, or the type its suffix names, e.g. .svg or .pdf; -: standard output, PNG "
         "(default: RUN/curves.png; several runs: compare.png)",
     )
-    p.add_argument("--x", choices=("step", "time"), default="step", help="x axis: update steps or minutes of training")
+    p.add_argument(
+        "--x",
+        choices=("step", "time"),
+        default="step",
+        help="x axis: update steps or minutes of training (default: step)",
+    )
 
     p = sub.add_parser(
         "compare",
@@ -469,7 +474,7 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, import
 def cmd_translate(args: argparse.Namespace) -> int:
     texts = args.text
     from_stdin = not texts or texts == ["-"]
-    if from_stdin and args.buffer_lines < 1:
+    if args.buffer_lines < 1:  # (stop 64: with TEXT arguments it was taken without a word)
         raise MtxError(f"--buffer-lines must be >= 1, got {args.buffer_lines}")
     if not from_stdin and "-" in texts:  # (stop 64: `- -` was "mixed with TEXT arguments")
         what = "given twice" if set(texts) == {"-"} else "mixed with TEXT arguments"

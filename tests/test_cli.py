@@ -575,6 +575,7 @@ def test_translates_arguments_as_standard_input_is_read_and_says_what_it_guesses
     assert_one_line_error(
         mtx_here(monkeypatch, *translate, "-", "-"), "'-' (read standard input) cannot be given twice"
     )
+    assert_one_line_error(mtx_here(monkeypatch, *translate, "--buffer-lines", "0", "x"), "--buffer-lines must be >= 1")
     src_dash = mtx_here(monkeypatch, "eval", "--run", str(tiny_run), "--src", "-", "--ref", str(named))
     assert_one_line_error(src_dash, "--src takes a file; for standard input give --src /dev/stdin")
     run = tmp_path / "run"
