@@ -501,6 +501,8 @@ def name_problem(name: str) -> str | None:
         return f"must not be empty, got {name!r}"
     if name != name.strip():  # (stop 64: `de` and a no-break space looked for "train.de .gz")
         return f"must not begin or end with a space, got {name!r}"
+    if not name.isprintable():  # (stop 64: a line break in --split made a two-line error)
+        return f"must be a name without control characters, got {name!r}"
     if name in (".", "..") or any(c in name for c in "/\\\0"):
         return f"must be a name within the data directory, not a path, got {name!r}"
     return None

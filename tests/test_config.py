@@ -419,3 +419,7 @@ def test_an_adam_eps_that_is_zero_in_float32_is_refused_and_odd_values_read_well
         load_config(None, ["train.adam_betas=[0.9]"])
     with pytest.raises(ConfigError, match=r"data\.src_lang must not begin or end with a space, got 'de\\xa0'$"):
         from_dict({"data": {"src_lang": "de\u00a0"}})
+    with pytest.raises(
+        ConfigError, match=r"data\.valid_split must be a name without control characters, got 'va\\nl'$"
+    ):
+        from_dict({"data": {"valid_split": "va\nl"}})
