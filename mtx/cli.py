@@ -392,6 +392,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     run_dir = args.run_dir or Path("runs") / args.config.stem
     if not args.resume:  # (stop 64: a run made at RUN/checkpoints/step_80.pt stopped RUN's training at step 80)
+        _check_parents("--run-dir", run_dir)  # (stop 64: "Not a directory" after torch's import)
         _not_a_runs_file(run_dir, f"--run-dir {run_dir}", "choose another --run-dir")
     state = fit(cfg, run_dir, resume=args.resume)
     if not Ranks.from_env().is_main:  # under torchrun only rank 0 reports

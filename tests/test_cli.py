@@ -613,6 +613,8 @@ def test_outputs_never_replace_data_or_land_inside_another_run(
     r = mtx_here(monkeypatch, *tiny_args(data, inside))
     assert_one_line_error(r, f"--run-dir {inside} is one of the files of the run {tiny_run}")
     assert not inside.exists()
+    under_a_file = mtx_here(monkeypatch, *tiny_args(data, text / "run"))
+    assert_one_line_error(under_a_file, f"--run-dir {text / 'run'}: {text} is a file, not a directory")
     monkeypatch.chdir(tmp_path)
     dash = mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--out", "-")
     assert_one_line_error(dash, "--out - (standard output) cannot take an exported model")
