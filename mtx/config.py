@@ -267,8 +267,8 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
         raise bad
     if hint is int:
         if isinstance(value, str):  # YAML 1.1 reads 1e4 (no dot) as a string
-            try:
-                value = float(value)
+            try:  # digits alone as an integer (stop 64: "9007199254740993" was rounded through a float)
+                value = int(value) if value.strip().lstrip("+-").isdigit() else float(value)
             except ValueError:
                 raise bad from None
         if isinstance(value, float) and value.is_integer():

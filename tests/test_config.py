@@ -413,6 +413,9 @@ def test_an_adam_eps_that_is_zero_in_float32_is_refused_and_odd_values_read_well
     with pytest.raises(ConfigError, match=r"^--set: train\.adam_eps must be at least 1\.18e-38 .*got 1e-46"):
         load_config(None, ["train.adam_eps=1e-46"])
     assert load_config(None, ["train.adam_eps=1e-30"]).train.adam_eps == 1e-30
+    with pytest.raises(ConfigError, match=r"train\.max_steps must be at most 2\*\*53 in size, got 9007199254740993$"):
+        load_config(None, ['train.max_steps="9007199254740993"'])  # (it was rounded through a float, and taken)
+    assert load_config(None, ['train.max_steps=" 200 "']).train.max_steps == 200
     with pytest.raises(ConfigError, match=r"train\.max_steps must be an integer, got the date 2024-01-05$"):
         load_config(None, ["train.max_steps=2024-01-05"])
     with pytest.raises(ConfigError, match=r"train\.adam_betas must be a list of 2 numbers, got \[0\.9\]$"):
