@@ -98,6 +98,16 @@ def signals_deferred() -> Iterator[None]:
             signal.raise_signal(caught[0])
 
 
+def import_failed(e: ImportError, package: str, needs: str, install: str) -> MtxError:
+    """The error for an optional `package` that `e` stopped: "`needs` PACKAGE: `install`" where it
+    is not installed, what went wrong where it is but cannot be imported (stop 64: a matplotlib
+    built for numpy 1 beside numpy 2 was "needs matplotlib", and installing it changed nothing)."""
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").partition(".")[0] == package:
+        return MtxError(f"{needs} {package}: {install}")
+    gist = str(e).splitlines()[0][:150] if str(e) else e.__class__.__name__
+    return MtxError(f"{package} is installed but cannot be imported ({gist}); reinstall or upgrade it: {install}")
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM or SIGHUP outside training's own handling: it unwinds as Ctrl-C does (what a
     failed command made is removed again), then `mtx: stopped by SIGNAL`, exit code 128 + signal."""

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from mtx import __version__
 from mtx.checkpoint import LoadedRun, left_by_dead_process
 from mtx.config import QUANTIZATIONS
-from mtx.errors import MtxError, named_os_errors
+from mtx.errors import MtxError, import_failed, named_os_errors
 from mtx.model import Ensemble, ScaleNorm, Seq2Seq
 from mtx.plot import parent_directories
 from mtx.tokenizer import BPE
@@ -150,8 +150,8 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
         raise MtxError(f"{out_dir} is the working directory; give a new directory as --out")
     try:
         import ctranslate2  # noqa: F401
-    except ImportError:
-        raise MtxError("mtx export needs CTranslate2: pip install ctranslate2 (or pip install 'mtx[export]')") from None
+    except ImportError as e:
+        raise import_failed(e, "ctranslate2", "mtx export needs", "pip install 'mtx[export]'") from None
     spec = ctranslate2_spec(run.model, run.src_tok, run.tgt_tok)
     spec.optimize(quantization=quantization)
     # a failed export leaves neither the directories it made nor its staging directory, and its

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from mtx.errors import MtxError, named_os_errors, not_found
+from mtx.errors import MtxError, import_failed, named_os_errors, not_found
 
 X_AXES = ("step", "time")
 
@@ -139,8 +139,8 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.backends.backend_agg import FigureCanvasAgg
-    except ImportError:
-        raise MtxError("mtx plot needs matplotlib: pip install 'mtx[plot]'") from None
+    except ImportError as e:
+        raise import_failed(e, "matplotlib", "mtx plot needs", "pip install 'mtx[plot]'") from None
     out = _image_path(out, FigureCanvasAgg.get_supported_filetypes())
     runs = [(run_dir, *_events(run_dir)) for run_dir in run_dirs]
 

@@ -25,7 +25,7 @@ from mtx.checkpoint import (
 )
 from mtx.cli import main
 from mtx.config import load_config
-from mtx.errors import CheckpointError
+from mtx.errors import CheckpointError, import_failed
 from mtx.plot import run_labels
 from mtx.train import config_text
 
@@ -682,3 +682,20 @@ def test_choose_on_val_scores_references_as_mtx_eval_and_warns_of_choosing_on_tr
     # the start (best.pt, decoded first) and the choice among best.pt and ema.pt, as eval scores them
     assert result["start_val_bleu"] == marked[0] < round(corpus_scores(outputs[0], clean).bleu, 2)
     assert result["val_bleu"] == max(marked)
+
+
+def test_an_optional_package_missing_or_broken_is_told_apart() -> None:
+    """A matplotlib built for numpy 1 beside numpy 2 was "needs matplotlib: pip install", which
+    changed nothing (stop 64)."""
+    missing = ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+    assert str(import_failed(missing, "matplotlib", "mtx plot needs", "pip install 'mtx[plot]'")) == (
+        "mtx plot needs matplotlib: pip install 'mtx[plot]'"
+    )
+    broken = ImportError("numpy.core.multiarray failed to import\nmore")
+    assert str(import_failed(broken, "matplotlib", "mtx plot needs", "pip install 'mtx[plot]'")) == (
+        "matplotlib is installed but cannot be imported (numpy.core.multiarray failed to import); reinstall or "
+        "upgrade it: pip install 'mtx[plot]'"
+    )
+    # a module it needs that is missing is not the package itself
+    inner = ModuleNotFoundError("No module named 'kiwisolver'", name="kiwisolver")
+    assert "matplotlib is installed but cannot be imported" in str(import_failed(inner, "matplotlib", "x", "y"))
