@@ -35,6 +35,7 @@ $(STAMP): pyproject.toml
 			echo "make: mtx needs Python 3.10+, $(PYTHON) is $$($(PYTHON) --version 2>&1): give a newer one as PYTHON=..."; exit 1; }; \
 		echo "$(PYTHON) -m venv --clear $(VENV)"; $(PYTHON) -m venv --clear $(VENV); \
 	fi
+	@echo "make: installing torch 2.13.0 and mtx's dependencies into $(VENV) (minutes; a CUDA build of torch is GBs)"
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev,plot]'
 	$(BIN)/pip install --quiet -e '.[export]' || echo 'note: no CTranslate2 wheel for this platform; mtx export and its tests are skipped'
