@@ -151,7 +151,9 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
     try:
         import ctranslate2  # noqa: F401
     except ImportError as e:
-        raise import_failed(e, "ctranslate2", "mtx export needs", "pip install 'mtx[export]'") from None
+        raise import_failed(
+            e, "ctranslate2", "mtx export needs", "pip install ctranslate2 (or pip install 'mtx[export]')"
+        ) from None
     spec = ctranslate2_spec(run.model, run.src_tok, run.tgt_tok)
     spec.optimize(quantization=quantization)
     # a failed export leaves neither the directories it made nor its staging directory, and its

@@ -406,7 +406,8 @@ def test_paths_that_cannot_be_written_are_one_line_errors(
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     assert_one_line_error(
-        mtx_here(monkeypatch, *tiny_args(small_data, blocker / "run")), f"{blocker / 'run'}: Not a directory"
+        mtx_here(monkeypatch, *tiny_args(small_data, blocker / "run")),
+        f"--run-dir {blocker / 'run'}: {blocker} is a file, not a directory",
     )
     exported = mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--out", str(blocker / "ct2"))
     assert_one_line_error(exported, f"--out {blocker / 'ct2'}: {blocker} is a file, not a directory")
