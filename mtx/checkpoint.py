@@ -20,7 +20,7 @@ import re
 import shutil
 import warnings
 import zipfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -558,12 +558,12 @@ def any_runs_file(path: Path) -> Path | None:
         _training_file(path, run) or (path.parent.name == "checkpoints" and not path.is_dir())
     ):
         return run
-    if (path.parent / CONFIG_FILE).is_file() and _same_path(path, run_files(path.parent)):
+    if (path.parent / CONFIG_FILE).is_file() and same_path(path, run_files(path.parent)):
         return path.parent
     return None
 
 
-def _same_path(path: Path, others: list[Path]) -> bool:
+def same_path(path: Path, others: Iterable[Path]) -> bool:
     """Whether `path` names one of `others` (existing or not: a run's train.log may be missing)."""
     here = os.path.realpath(path)
     return any(os.path.realpath(o) == here for o in others)

@@ -712,11 +712,7 @@ def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> Non
         return
     _check_file_path("--output", output, "the hypotheses file's path")
     for what, paths in inputs.items():
-        listed = [p for p in paths if p is not None]
-        # the file, or its plain or gzipped twin where that is not there yet: mtx reads the plain
-        # one of the two first (stop 63: --output DATA/val.en beside val.en.gz was written, and
-        # every later eval scored against it, BLEU 100)
-        if _same_file(output, listed) or _same_path(output, [*listed, *map(_gz_twin, listed)]):
+        if _a_file_or_its_twin(output, [p for p in paths if p is not None]):
             raise MtxError(f"the hypotheses file {output} is {what}; pass --output with another path")
     _not_a_runs_file(output, f"the hypotheses file {output}", "pass --output with another path")
     if written_through(output):  # a device, pipe or link: it is opened as it is, not replaced
@@ -734,10 +730,13 @@ def _gz_twin(path: Path) -> Path:
     return path.with_name(path.name.removesuffix(".gz")) if path.name.endswith(".gz") else Path(f"{path}.gz")
 
 
-def _same_path(path: Path, others: Iterable[Path]) -> bool:
-    """Whether `path` names one of `others`, whether or not it exists yet."""
-    here = os.path.realpath(path)
-    return any(os.path.realpath(o) == here for o in others)
+def _a_file_or_its_twin(path: Path, files: list[Path]) -> bool:
+    """Whether `path` is one of `files`, or the plain or gzipped twin of one where that is not
+    there yet: mtx reads the plain one of the two first (stop 63: --output DATA/val.en beside
+    val.en.gz was written, and every later eval scored against it, BLEU 100)."""
+    from mtx.checkpoint import same_path
+
+    return _same_file(path, files) or same_path(path, [*files, *map(_gz_twin, files)])
 
 
 _DATA_FILE = re.compile(r"[^.]+\.[^.]+(\.gz)?")  # SPLIT.LANG or SPLIT.LANG.gz
@@ -1006,8 +1005,7 @@ def cmd_average(args: argparse.Namespace) -> int:
             raise MtxError(f"--out {args.out} is one of the run's own files; give another path for the average")
         _not_a_runs_file(args.out, f"--out {args.out}", "give another path for the average", own_run=args.run)
         # (stop 64: a text file, the run's val.en.gz or the plain twin of its train.en.gz became a checkpoint)
-        data = _data_files([Path(load_run_config(args.run).data.dir)])
-        if _same_path(args.out, [*data, *map(_gz_twin, data)]):
+        if _a_file_or_its_twin(args.out, _data_files([Path(load_run_config(args.run).data.dir)])):
             raise MtxError(f"--out {args.out} is a data file of the run's data directory; give another path")
         if args.out.is_file() and not zipfile.is_zipfile(args.out):
             raise MtxError(f"--out {args.out} exists and is not a checkpoint; give a new path for the average")

@@ -683,11 +683,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: set[Any] = set()
-    merges = 0
+    merged = False
     for key_node, value_node in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged keys may be overridden
-            merges += 1
-            _check_merge(value_node, key_node.start_mark, merges)
+            if merged:  # (stop 64: the last `<<` won, as a repeated key would, which is refused)
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    "the merge key '<<' appears twice in one mapping; list the mappings in one '<<: [...]'",
+                    key_node.start_mark,
+                )
+            merged = True
+            _check_merge(value_node, key_node.start_mark)
             continue
         key = loader.construct_object(key_node)
         try:
@@ -703,14 +710,10 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[An
     return loader.construct_mapping(node, deep=True)
 
 
-def _check_merge(value: yaml.Node, mark: yaml.Mark, merges: int) -> None:
-    """Refuse the merges whose outcome depends on the PyYAML version (stop 64: `<<: [{lr: 0.001},
-    {lr: 0.5}]` trained at 0.5 with PyYAML 6.0.4, at 0.001 with 6.0.3 and the YAML spec): a
-    second `<<` in one mapping, and a list of mappings that set one key twice."""
-    if merges > 1:
-        raise yaml.constructor.ConstructorError(
-            None, None, "the merge key '<<' appears twice in one mapping; list the mappings in one '<<: [...]'", mark
-        )
+def _check_merge(value: yaml.Node, mark: yaml.Mark) -> None:
+    """Refuse a merge whose outcome depends on the PyYAML version (stop 64: `<<: [{lr: 0.001},
+    {lr: 0.5}]` trained at 0.5 with PyYAML 6.0.4, at 0.001 with 6.0.3 and the YAML spec): a list
+    of mappings that set one key twice."""
     if not isinstance(value, yaml.SequenceNode):
         return
     seen: set[str] = set()
