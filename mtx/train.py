@@ -2009,6 +2009,12 @@ def _check_resumable(last: dict[str, Any], path: Path) -> None:
         value = state.get(key, 0)
         if type(value) is not int or value < 0:
             raise CheckpointError(f"{path}: its training state's {key} is {shown(value)}, not a count; is it damaged?")
+    rng = last.get("rng")
+    if isinstance(rng, dict) and "torch" in rng and "numpy" not in rng:  # (stop 64: "KeyError: 'numpy'")
+        raise CheckpointError(
+            f"{path}: saved by an early mtx, before numpy's random state was kept, so it cannot be resumed "
+            "exactly; start a new run"
+        )
 
 
 def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path, val_digest_kept: bool = False) -> None:

@@ -426,6 +426,8 @@ def test_a_last_pt_whose_training_state_is_malformed_is_one_line(
         ({"state": [1]}, "its training state is not a mapping"),
         ({"state": {**good["state"], "step": "abc"}}, "its training state's step is 'abc', not a count"),
         ({"state": {**good["state"], "epoch": -1}}, "its training state's epoch is -1, not a count"),
+        # the first mtx kept no numpy state (stop 64: "cannot restore the training state (KeyError: 'numpy')")
+        ({"rng": {k: v for k, v in good["rng"].items() if k != "numpy"}}, "saved by an early mtx"),
     ]
     for change, needle in cases:
         torch.save({**good, **change}, path)
