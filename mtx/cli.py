@@ -530,7 +530,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
         for before, lines in chunks:  # from standard input: each as soon as it has been read
             hyps = translate_ids(
                 run.model,
-                run.src_tok.encode_batch(lines),
+                run.src_tok.encode_batch(lines, run.model.cfg.max_positions - 1),
                 beam,
                 alpha,
                 dc.max_len_a,
@@ -904,7 +904,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             text = translate(
                 run.model,
                 run.tgt_tok,
-                run.src_tok.encode_batch(src),
+                run.src_tok.encode_batch(src, run.model.cfg.max_positions - 1),
                 beam,
                 alpha,
                 cfg.decode.max_len_a,

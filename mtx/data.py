@@ -597,8 +597,9 @@ class ParallelIds:
         cls, src: Sequence[str], tgt: Sequence[str], src_tok: BPE, tgt_tok: BPE, max_len: int = 0
     ) -> ParallelIds:
         """Tokenise; with max_len > 0, drop pairs longer than max_len tokens on either side (`rows`:
-        the indices of the pairs kept)."""
-        src_ids, tgt_ids = src_tok.encode_batch(src), tgt_tok.encode_batch(tgt)
+        the indices of the pairs kept; a line far longer than max_len is cut before it is tokenised,
+        `BPE.encode_batch`)."""
+        src_ids, tgt_ids = src_tok.encode_batch(src, max_len), tgt_tok.encode_batch(tgt, max_len)
         keep = list(range(len(src_ids)))
         if max_len:
             keep = [i for i in keep if len(src_ids[i]) <= max_len and len(tgt_ids[i]) <= max_len]
