@@ -55,7 +55,7 @@ class BPE:
         With `max_pieces` (callers that read only the first `max_pieces` pieces and whether there
         are more), a text too long for that is cut first (`head`), so that memory follows what is
         read: tokenizers takes about 37 bytes per input byte, and a 32 MB one-word line took 6.8 GB
-        (stop 64). The first `max_pieces` ids are those of the whole text, and a cut text keeps more."""
+        (stop 65). The first `max_pieces` ids are those of the whole text, and a cut text keeps more."""
         if max_pieces:
             texts = [self.head(text, max_pieces + 1) for text in texts]
         return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]

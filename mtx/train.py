@@ -831,6 +831,7 @@ class Trainer:
         self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
         self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
         self.setup_seconds = 0.0  # of epochs' setup since the fit loop last took it (`_micro_batches`)
+        self.updating = False  # inside a step's optimizer update (`train_step`): the weights are half-new
         if ranks.is_main:
             warn_if_validating_on_train(cfg.data)
         if is_test_split(cfg.data.train_split) and ranks.is_main:  # (stop 61: not a word)
@@ -1446,12 +1447,14 @@ class Trainer:
         finite = math.isfinite(total) and bool(torch.isfinite(grad_norm))
         for g in self.optimizer.param_groups:
             g["lr"] = learning_rate(self.state.step + 1, tc, self.cfg.model.d_model, self.state.elapsed)
+        self.updating = True  # from here an allocation that fails leaves the weights half-updated
         if finite or self.scaler.is_enabled():
             self.scaler.step(self.optimizer)  # the fp16 scaler itself skips non-finite steps
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         if finite and self.ema is not None:
             self.ema.update()
+        self.updating = False
         return total / n_tokens, int(n_tokens), finite
 
     # -- validation ------------------------------------------------------------------------
@@ -1580,6 +1583,7 @@ class Trainer:
         self._logged_step = -1  # of this session's last train record (`_log_window`)
         last_time = time.perf_counter()
         stop_reason = f"reached train.max_steps={tc.max_steps}" if limit is None else f"reached {limit}"
+        before: tuple[int, int, dict[str, Any]] | None = None
         try:
             groups = self._micro_batches()
             # a limit already reached (a stop between validations, resumed with its limit at or
@@ -1603,7 +1607,12 @@ class Trainer:
                 if group is None:
                     stop_reason = f"reached train.max_epochs={tc.max_epochs}"
                     break
+                # where the step starts, for last.pt if it runs out of memory before its update: inside
+                # an epoch, whose setup (`_micro_batches`) is done and drew nothing since the last step
+                inside = self.ranks.world_size == 1 and st.batch > len(group)
+                before = (st.epoch, st.batch - len(group), _rng_state()) if inside else None
                 loss, tokens, applied = self.train_step(group)
+                before = None
                 now = time.perf_counter()
                 st.elapsed += now - last_time
                 last_time = now
@@ -1653,10 +1662,16 @@ class Trainer:
             if out_of_memory(e):
                 # (stop 63: a batch too large for the device was a 30-line traceback, with no word
                 # on what to lower; one can come thousands of steps in, as batches differ in length)
+                if before is not None and not self.updating:
+                    st.window_seconds += time.perf_counter() - window_start
+                    e.__traceback__ = None  # the failed step's tensors go before last.pt is written
+                    kept = self._save_before_step(*before)
+                else:
+                    kept = f"last.pt from step {self.saved_step} is kept" if self.saved_step is not None else ""
                 raise MtxError(
                     f"out of memory on {self.device} after step {st.step} "
                     f"(train.batch_tokens={tc.batch_tokens}); lower train.batch_tokens (raising "
-                    f"train.accum_steps keeps an update's tokens); last.pt from step {self.saved_step} is kept. "
+                    f"train.accum_steps keeps an update's tokens); {kept or 'no last.pt was saved yet'}. "
                     f"Resume with: {self._resume_command()} --set train.batch_tokens=N"
                 ) from None
             if self.ranks.world_size > 1 and _peer_lost(e):
@@ -1683,6 +1698,24 @@ class Trainer:
             st.elapsed,
         )
         return st
+
+    def _save_before_step(self, epoch: int, batch: int, rng: dict[str, Any]) -> str:
+        """After a step ran out of memory before its update: last.pt as it stood before the step,
+        its batches and random states too, so that a resume with nothing changed goes on as if the
+        step had not failed (stop 65: last.pt stayed at the last validation, up to
+        train.eval_every steps behind). What the returned text says is kept."""
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.state.epoch, self.state.batch = epoch, batch
+        _set_rng_state(rng)
+        try:
+            self.save()
+        except (MtxError, OSError, RuntimeError) as e:
+            log.warning("could not save last.pt after running out of memory: %s", _first_line(e))
+            return f"last.pt from step {self.saved_step} is kept" if self.saved_step is not None else ""
+        return f"last.pt saved at step {self.state.step}"
 
     def _log_window(self, seconds: float, bar: Any, metrics: Any, partial: bool = False) -> bool:
         """Write the train record of the steps since the last one (their `seconds` of training) to
@@ -2010,7 +2043,7 @@ def _check_resumable(last: dict[str, Any], path: Path) -> None:
         if type(value) is not int or value < 0:
             raise CheckpointError(f"{path}: its training state's {key} is {shown(value)}, not a count; is it damaged?")
     rng = last.get("rng")
-    if isinstance(rng, dict) and "torch" in rng and "numpy" not in rng:  # (stop 64: "KeyError: 'numpy'")
+    if isinstance(rng, dict) and "torch" in rng and "numpy" not in rng:  # (stop 65: "KeyError: 'numpy'")
         raise CheckpointError(
             f"{path}: saved by an early mtx, before numpy's random state was kept, so it cannot be resumed "
             "exactly; start a new run"

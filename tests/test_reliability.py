@@ -426,7 +426,7 @@ def test_a_last_pt_whose_training_state_is_malformed_is_one_line(
         ({"state": [1]}, "its training state is not a mapping"),
         ({"state": {**good["state"], "step": "abc"}}, "its training state's step is 'abc', not a count"),
         ({"state": {**good["state"], "epoch": -1}}, "its training state's epoch is -1, not a count"),
-        # the first mtx kept no numpy state (stop 64: "cannot restore the training state (KeyError: 'numpy')")
+        # the first mtx kept no numpy state (stop 65: "cannot restore the training state (KeyError: 'numpy')")
         ({"rng": {k: v for k, v in good["rng"].items() if k != "numpy"}}, "saved by an early mtx"),
     ]
     for change, needle in cases:
@@ -840,24 +840,60 @@ def test_out_of_memory_in_a_training_step_or_a_decode_is_one_line(
     tmp_path: Path, mini_data: Path, tiny_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An allocation that fails in a step (a GPU's most common failure, possibly thousands of steps
-    in) or a decode was a 20-40-line traceback with no word on what to lower (stop 63)."""
-    step = train_module.Trainer.train_step
+    in) or a decode was a 20-40-line traceback with no word on what to lower (stop 63). A step
+    that fails before its update saves last.pt as it stood before the step, and a resume with
+    nothing changed goes on as a run that never failed (stop 65: last.pt stayed at the last
+    validation); one that fails inside the update, whose weights are half-new, keeps last.pt."""
+    clip = torch.nn.utils.clip_grad_norm_
+    calls = []
 
-    def big_batch(self: train_module.Trainer, group: list) -> tuple[float, int, bool]:
-        if self.state.step == 12:
+    def out_of_memory_in_step_14(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 14:  # after step 14's forward and backward: dropout drew, gradients are there
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return step(self, group)
+        return clip(*args, **kwargs)
 
-    monkeypatch.setattr(train_module.Trainer, "train_step", big_batch)
-    run_dir = tmp_path / "run"
-    args = mini_args(mini_data, run_dir, "--set", "train.max_steps=30", "--set", "train.eval_every=10")
-    assert main(args) == 1
+    common = ("--set", "train.eval_every=10", "--set", "train.ema=0.9")
+    straight, failed = tmp_path / "straight", tmp_path / "failed"
+    assert main(mini_args(mini_data, straight, *common, "--set", "train.max_steps=20")) == 0
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", out_of_memory_in_step_14)
+    assert main(mini_args(mini_data, failed, *common, "--set", "train.max_steps=20")) == 1
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("mtx: error:")]
     assert "Traceback" not in err and len(lines) == 1, err
-    assert "out of memory on cpu after step 12 (train.batch_tokens=1500)" in lines[0]
-    assert "last.pt from step 10 is kept" in lines[0] and "--resume --set train.batch_tokens=N" in lines[0]
-    assert "out of memory" in (run_dir / "train.log").read_text().splitlines()[-1]
+    assert "out of memory on cpu after step 13 (train.batch_tokens=1500)" in lines[0]
+    assert "last.pt saved at step 13" in lines[0] and "--resume --set train.batch_tokens=N" in lines[0]
+    assert "out of memory" in (failed / "train.log").read_text().splitlines()[-1]
+    saved = load_weights_only(failed / "checkpoints" / "last.pt")
+    assert saved["step"] == 13 and saved["state"]["batch"] > 0  # inside an epoch
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    assert main(["train", "--run-dir", str(failed), "--resume"]) == 0
+    a = load_weights_only(straight / "checkpoints" / "last.pt")
+    b = load_weights_only(failed / "checkpoints" / "last.pt")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    for k, state in a["optimizer"]["state"].items():
+        assert all(torch.equal(v, b["optimizer"]["state"][k][name]) for name, v in state.items())
+    assert all(torch.equal(x, y) for x, y in zip(a["ema"]["averages"], b["ema"]["averages"], strict=True))
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["rng"]["python"] == b["rng"]["python"]
+    timed = ("elapsed", "window_seconds")
+    assert {k: v for k, v in a["state"].items() if k not in timed} == {
+        k: v for k, v in b["state"].items() if k not in timed
+    }
+
+    update = train_module.MovingAverage.update
+
+    def out_of_memory_in_update_12(self: train_module.MovingAverage) -> None:
+        if self.updates == 11:  # step 12's weights are new, its moving average not yet
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+        update(self)
+
+    monkeypatch.setattr(train_module.MovingAverage, "update", out_of_memory_in_update_12)
+    half = tmp_path / "half"
+    assert main(mini_args(mini_data, half, *common, "--set", "train.max_steps=20")) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("mtx: error:")]
+    assert len(lines) == 1 and "after step 11 " in lines[0] and "last.pt from step 10 is kept" in lines[0], err
+    assert load_weights_only(half / "checkpoints" / "last.pt")["step"] == 10
 
     def no_memory(*args: object, **kwargs: object) -> None:
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")

@@ -139,7 +139,7 @@ def test_a_tokenizer_file_from_tokenizers_0_20_on_0_19_names_the_version_it_need
 def test_a_long_line_is_cut_before_tokenising_and_keeps_the_pieces_read(shared_data: Path) -> None:
     """Decoding reads a source's first model.max_positions - 1 pieces (and whether there are more),
     training whether a pair has more than data.max_len; the whole line was tokenised first, about
-    37 bytes of memory per input byte (stop 64: 6.8 GB for a 32 MB one-word line)."""
+    37 bytes of memory per input byte (stop 65: 6.8 GB for a 32 MB one-word line)."""
     cfg = DataConfig(dir=str(shared_data))
     val_src, val_tgt = texts(load_corpus(shared_data, cfg, ["val"])["val"])
     tok = train_bpe(val_src + val_tgt, TokenizerConfig(vocab_size=2000))
