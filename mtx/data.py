@@ -174,11 +174,16 @@ def clean_line(text: str) -> str:
     invisible characters at either end go with the whitespace (stop 62: a left-to-right mark, which
     bidi-aware editors put before a line, made a translation of another sentence)."""
     start, end = 0, len(text)
-    while start < end and (text[start].isspace() or _invisible(text[start])):
+    while start < end and stripped(text[start]):
         start += 1
-    while end > start and (text[end - 1].isspace() or _invisible(text[end - 1])):
+    while end > start and stripped(text[end - 1]):
         end -= 1
     return text[start:end]
+
+
+def stripped(char: str) -> bool:
+    """Whether `clean_line` drops `char` at a line's ends: whitespace or `_invisible`."""
+    return char.isspace() or _invisible(char)
 
 
 # format characters that are drawn (the prepended concatenation marks: Arabic number signs, the

@@ -10,25 +10,30 @@ into it, so a failed export leaves nothing behind.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import math
 import os
 import shutil
 import socket
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tokenizers import Regex, Tokenizer, decoders, normalizers
 
 from mtx import __version__
 from mtx.checkpoint import LoadedRun, left_by_dead_process
 from mtx.config import QUANTIZATIONS
+from mtx.data import stripped
 from mtx.errors import MtxError, import_failed, named_os_errors
 from mtx.model import Ensemble, ScaleNorm, Seq2Seq
 from mtx.plot import parent_directories
-from mtx.tokenizer import BPE
+from mtx.tokenizer import BPE, LINE_BREAKS
 
 # the logit bias of target pieces a `model.restrict_output` softmax leaves out: exp(-65000) is 0 in
 # any float type, and -65000 fits float16 (-1e9 did not: numpy warned of an overflow on the cast)
@@ -44,6 +49,48 @@ def _linear(spec: Any, module: torch.nn.Linear) -> None:
     spec.weight = _np(module.weight)
     if module.bias is not None:
         spec.bias = _np(module.bias)
+
+
+def _char_class(wanted: Callable[[str], bool]) -> str:
+    """A regex class, in the syntax of the Oniguruma engine that `tokenizers` runs, of the code
+    points for which `wanted` is true."""
+    ranges: list[tuple[int, int]] = []
+    for code in range(sys.maxunicode + 1):
+        if wanted(chr(code)):
+            if ranges and ranges[-1][1] == code - 1:
+                ranges[-1] = (ranges[-1][0], code)
+            else:
+                ranges.append((code, code))
+    return "[" + "".join(f"\\x{{{a:X}}}" + (f"-\\x{{{b:X}}}" if b > a else "") for a, b in ranges) + "]"
+
+
+def exported_tokenizer(tok: BPE, source: bool) -> Tokenizer:
+    """`tok` as a `tokenizers` file that reads and writes a line as mtx does.
+
+    - The characters `mtx.data.clean_line` drops at either end of a line (whitespace, a byte order
+      mark, direction marks, other invisible characters) go before NFC, as in mtx (stop 65: the
+      file left them, and a line after a direction mark got another translation).
+    - A line break that pieces spell decodes as a space, as `BPE.decode_batch` makes it; strip the
+      decoded text's ends, as mtx does.
+    - On the source side, the special tokens' text (`</s>`, `<unk>`) in a line is text, as mtx
+      reads it (`encode_special_tokens`, which the file does not keep: stop 65, `Ein </s> Mann`
+      was read as an end of sentence). The target side keeps them as special tokens, so that
+      decoding drops them as mtx does."""
+    edge, breaks = _patterns()
+    spec = json.loads(tok.tokenizer.to_str())
+    if source:
+        spec["added_tokens"] = []
+    out = Tokenizer.from_str(json.dumps(spec))
+    out.normalizer = normalizers.Sequence([normalizers.Replace(Regex(edge), ""), out.normalizer])
+    out.decoder = decoders.Sequence([out.decoder, decoders.Replace(Regex(breaks), " ")])
+    return out
+
+
+@functools.cache
+def _patterns() -> tuple[str, str]:
+    """(what `clean_line` drops at a line's ends, a run of line breaks) as `tokenizers` regexes."""
+    edge = _char_class(stripped)
+    return f"\\A{edge}+|{edge}+\\z", _char_class(lambda c: c in LINE_BREAKS) + "+"
 
 
 def ctranslate2_vocabulary(tok: BPE) -> list[str]:
@@ -173,7 +220,8 @@ def _write_model(run: LoadedRun, spec: Any, staging: Path, out_dir: Path, quanti
         spec.save(str(staging))
         # written by Python: `tokenizers`' save takes a UTF-8 path only (an --out named in other bytes)
         for tok, name in ((run.src_tok, "source_tokenizer.json"), (run.tgt_tok, "target_tokenizer.json")):
-            (staging / name).write_text(tok.tokenizer.to_str(pretty=True), encoding="utf-8")
+            exported = exported_tokenizer(tok, source=name.startswith("source"))
+            (staging / name).write_text(exported.to_str(pretty=True), encoding="utf-8")
         cfg = run.cfg
         info = {
             "mtx_version": __version__,

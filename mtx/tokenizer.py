@@ -23,7 +23,8 @@ from mtx.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
-_LINE_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]+")  # where str.splitlines splits
+LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"  # where str.splitlines splits
+_LINE_BREAKS = re.compile(f"[{LINE_BREAKS}]+")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 
 

@@ -3,13 +3,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer
 
 from mtx.config import DataConfig, TokenizerConfig
-from mtx.data import ParallelIds, load_corpus, texts
+from mtx.data import ParallelIds, clean_line, load_corpus, read_lines, stripped, texts
 from mtx.errors import CheckpointError
+from mtx.export import exported_tokenizer
 from mtx.tokenizer import BOS, BPE, EOS, PAD, UNK, train_bpe, train_or_load
 
 
@@ -160,3 +163,27 @@ def test_a_long_line_is_cut_before_tokenising_and_keeps_the_pieces_read(shared_d
             assert ids == full[: len(ids)]
     kept = ParallelIds.encode(long_lines + val_src[:5], long_lines + val_tgt[:5], tok, tok, max_len=40)
     assert kept.rows == list(range(len(long_lines), len(long_lines) + 5))
+
+
+def test_the_exported_tokenizers_read_and_write_a_line_as_mtx_does(tiny_run: Path, small_data: Path) -> None:
+    """`mtx export`'s tokenizer files: a line's invisible ends, the special tokens' text in it
+    and line breaks in the output are treated as mtx treats them (stop 65: the files kept a
+    direction mark before a line, read `</s>` in it as the end of sentence, and the README had
+    each user strip the ends by hand)."""
+    tok = BPE.load(tiny_run / "tokenizer.json")
+    source = Tokenizer.from_str(exported_tokenizer(tok, source=True).to_str())  # as a user loads the file
+    target = Tokenizer.from_str(exported_tokenizer(tok, source=False).to_str())
+    ends = [c for c in map(chr, range(0x3100)) if stripped(c)] + ["\ufeff", "\U000e0001", "\U000e0100"]
+    rng = random.Random(0)
+    lines = read_lines(small_data / "val.de")[:200]
+    for line in lines:
+        text = "".join(rng.choices(ends, k=rng.randint(0, 3))) + line + "".join(rng.choices(ends, k=rng.randint(0, 3)))
+        if rng.random() < 0.3:
+            text = text.replace(" ", rng.choice([" </s> ", " <unk><pad> ", "\u200b", "\t\t"]), 1)
+        assert source.encode(text, add_special_tokens=False).ids == tok.encode_batch([clean_line(text)])[0], text
+    breaks = [i for piece, i in tok.tokenizer.get_vocab().items() if "Ċ" in piece or "č" in piece]  # \n, \r bytes
+    for _ in range(300):
+        ids = rng.choices(range(tok.vocab_size), k=rng.randint(0, 10)) + rng.choices(breaks + [EOS, UNK], k=2)
+        rng.shuffle(ids)
+        assert target.decode(ids).strip() == tok.decode_batch([ids])[0]
+    assert target.encode("Ein </s> Mann", add_special_tokens=False).ids[1] == EOS  # the target's specials stay special
