@@ -85,7 +85,8 @@ def run_dir_lock(run_dir: Path, fix: str = "wait for it to end, or choose anothe
         except BlockingIOError:
             # (stop 63: "an mtx train" was said where another `average --as-best` held it)
             raise CheckpointError(
-                f"{run_dir}: another mtx command is using this run directory (mtx train, or average --as-best); {fix}"
+                f"{run_dir}: another mtx command is using this run directory (mtx train, average --as-best or "
+                f"choose_on_val --apply); {fix}"
             ) from None
         yield
     finally:
@@ -678,6 +679,14 @@ def make_best(run_dir: Path, payload: dict[str, Any]) -> Path:
 
 # (stop 54: a chosen average made best.pt while training saved a new best could lose best_single.pt)
 _WHILE_TRAINING = "best.pt can be changed once it has ended"
+
+
+def check_best_changeable(run_dir: Path) -> None:
+    """Refuse at once where `make_best` would be refused at the end: a command that decodes for
+    minutes before it changes best.pt asks first (stop 65: choose_on_val --apply on a run in
+    training scored every candidate, then failed)."""
+    with run_dir_lock(run_dir, _WHILE_TRAINING):
+        pass
 
 
 def best_single(run_dir: Path) -> Path:

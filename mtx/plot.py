@@ -118,7 +118,7 @@ def _validation_data(run_dir: Path) -> _ValData | None:
         if not Path(data.dir).is_absolute():
             raise OSError("a data.dir relative to where training ran")
         files = (split_file(Path(data.dir), data.valid_split, lang) for lang in (data.src_lang, data.tgt_lang))
-        src, tgt = read_parallel(*files)
+        src, tgt = read_parallel(*files, as_scored=True)  # (stop 65: cleaned, invisible ends that move BLEU were lost)
     except (MtxError, OSError):
         return _ValData(direction, data.valid_split, n, f"{n or 'all'}", None)
     pairs = list(zip(src, tgt, strict=True))[: n or None]

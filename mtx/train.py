@@ -852,7 +852,7 @@ class Trainer:
         # scored references stripped of invisible ends, a val BLEU that mtx eval did not give)
         ref_file = split_file(data_dir, cfg.data.valid_split, cfg.data.tgt_lang)
         self.valid_refs = read_lines(ref_file, as_scored=True)[:n_val]
-        self.val_digest = val_digest(cfg, valid_src, valid_tgt)  # what best.pt's val BLEU was scored on
+        self.val_digest = val_digest(cfg, valid_src, valid_tgt, self.valid_refs)  # what best.pt's BLEU was scored on
         if ranks.is_main:
             warn_unless_nfc(self.valid_refs, f"{cfg.data.valid_split}.{cfg.data.tgt_lang}")
             warn_of_invisible_ends(self.valid_refs, str(ref_file))
@@ -1864,12 +1864,16 @@ def data_digest(*columns: Sequence[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-def val_digest(cfg: Config, valid_src: Sequence[str], valid_tgt: Sequence[str]) -> str:
+def val_digest(cfg: Config, valid_src: Sequence[str], valid_tgt: Sequence[str], valid_refs: Sequence[str]) -> str:
     """A short hash of the val pairs that val BLEU is scored on (the first `train.eval_sentences`),
     stored in the run's checkpoints: a resume on other val pairs would compare their BLEU with
-    best.pt's, scored on the old ones."""
+    best.pt's, scored on the old ones. The references count as they are scored (`valid_refs`,
+    `read_lines(as_scored=True)`) where that is not as the model reads them (stop 65: references
+    that differed in invisible ends alone, which move BLEU, passed as the same; where they are the
+    same, the hash is that of the runs before)."""
     n_val = cfg.train.eval_sentences or len(valid_src)
-    return data_digest(valid_src[:n_val], valid_tgt[:n_val])
+    src, tgt, refs = valid_src[:n_val], valid_tgt[:n_val], list(valid_refs[:n_val])
+    return data_digest(src, tgt) if refs == list(tgt) else data_digest(src, tgt, refs)
 
 
 def _check_same_val(last: dict[str, Any], digest: str, cfg: Config, run_dir: Path, path: Path) -> None:
@@ -2286,7 +2290,9 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
                 held.enter_context(parent_directories(run_dir / ckpt_io.CONFIG_FILE))
                 held.enter_context(ckpt_io.run_dir_lock(run_dir))  # until training ends, its cleanup included
                 try:  # a new run's config.yaml not written: the tokenizer copied for init_from went with it
-                    last = prepare_run_dir(run_dir, cfg, resume, val_digest(cfg, *texts(corpus[cfg.data.valid_split])))
+                    refs = read_lines(split_file(data_dir, cfg.data.valid_split, cfg.data.tgt_lang), as_scored=True)
+                    val = val_digest(cfg, *texts(corpus[cfg.data.valid_split]), refs)
+                    last = prepare_run_dir(run_dir, cfg, resume, val)
                 except BaseException:  # (stop 59: it stayed, and the next start refused the directory)
                     failed_start = new_dir
                     raise

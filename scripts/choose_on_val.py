@@ -38,6 +38,7 @@ from mtx.checkpoint import (  # noqa: E402
     LoadedRun,
     average_checkpoints,
     best_single,
+    check_best_changeable,
     checkpoint_dir,
     load_checkpoint,
     load_run,
@@ -161,6 +162,8 @@ def main() -> None:
 
 def choose(args: argparse.Namespace) -> None:
     ckpts = checkpoint_dir(args.run)
+    if args.apply:  # refused now rather than after minutes of decoding
+        check_best_changeable(args.run)
     single = best_single(args.run)
     # a run stopped before its first validation has no best.pt: start from last.pt, as eval does
     start_name = "best single" if single.is_file() else "last checkpoint"

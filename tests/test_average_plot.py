@@ -569,6 +569,13 @@ def test_compare_tells_apart_runs_of_one_name_and_says_when_their_val_data_diffe
     assert main(["compare", "--run", str(first), "--run", str(second)]) == 0
     note = capsys.readouterr().out.splitlines()[1]
     assert note.startswith("note: the runs validate on different data (a/base: de->en, val (2 sentences, digest ")
+    # references that differ in invisible ends alone score differently (stop 65: the same digest)
+    (tmp_path / "zw").mkdir()
+    (tmp_path / "zw" / "val.de").write_text("Ein Hund.\nZwei Hunde.\n")
+    (tmp_path / "zw" / "val.en").write_text("A dog.\u200b\nTwo dogs.\u200b\n")
+    configure(second, "zw", 0)
+    assert main(["compare", "--run", str(first), "--run", str(second)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("note: the runs validate on different data")
     configure(second, "moved", 0)  # files not here: the configs' settings decide, alike
     assert main(["compare", "--run", str(first), "--run", str(second)]) == 0
     assert not capsys.readouterr().out.splitlines()[1].startswith("note:")

@@ -481,6 +481,12 @@ def test_a_resume_on_other_val_pairs_is_refused(
         f"--run-dir NEW --set data.dir={other} --set train.init_from={run}",
     )
     assert snapshot(run) == before
+    # references that differ in invisible ends alone: another val BLEU (stop 65: resumed as the same)
+    invisible = shutil.copytree(mini_data, tmp_path / "invisible")
+    (invisible / "val.en").write_text("".join(r.rstrip("\n") + "\u200b\n" for r in refs), encoding="utf-8")
+    result = mtx_here(monkeypatch, *resume[:-3], f"data.dir={invisible}", "--set", "train.max_steps=4")
+    assert_one_line_error(result, "the val pairs differ from those best.pt was chosen on")
+    assert snapshot(run) == before
     last = run / "checkpoints" / "last.pt"
     assert load_weights_only(run / "checkpoints" / "best.pt")["val_digest"] == load_weights_only(last)["val_digest"]
     old = load_weights_only(last)
@@ -654,7 +660,8 @@ def test_a_second_training_on_a_run_directory_in_use_is_refused(
             assert main(argv) == 1
             err = capsys.readouterr().err.strip().splitlines()
             busy = (
-                f"{run}: another mtx command is using this run directory (mtx train, or average --as-best); "
+                f"{run}: another mtx command is using this run directory (mtx train, average --as-best or "
+                "choose_on_val --apply); "
                 "wait for it to end, or choose another --run-dir"
             )
             assert err[-1] == "mtx: error: " + busy
@@ -668,10 +675,20 @@ def test_a_second_training_on_a_run_directory_in_use_is_refused(
             .err.strip()
             .splitlines()[-1]
             .endswith(
-                "another mtx command is using this run directory (mtx train, or average --as-best); "
+                "another mtx command is using this run directory (mtx train, average --as-best or "
+                "choose_on_val --apply); "
                 "best.pt can be changed once it has ended"
             )
         )
+        # nor choose_on_val --apply, refused before it decodes (stop 65: after scoring every candidate)
+        script = REPO / "scripts" / "choose_on_val.py"
+        apply = [sys.executable, str(script), "--run", str(run), "--apply"]
+        chosen = subprocess.run(apply, capture_output=True, text=True, check=False)
+        assert chosen.returncode == 1 and chosen.stdout == "", chosen.stdout
+        assert chosen.stderr.strip().splitlines() == [
+            f"choose_on_val: error: {run}: another mtx command is using this run directory (mtx train, average "
+            "--as-best or choose_on_val --apply); best.pt can be changed once it has ended"
+        ]
     finally:
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=120)
@@ -1718,7 +1735,7 @@ def test_commands_to_copy_quote_their_paths(
         run_dir_lock(run),
         pytest.raises(
             MtxError,
-            match=r"another mtx command is using this run directory \(mtx train, or average --as-best\); its first",
+            match=r"using this run directory \(mtx train, average --as-best or choose_on_val --apply\); its first",
         ),
     ):
         load_run(run)
