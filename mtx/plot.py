@@ -253,12 +253,9 @@ def compare_runs(run_dirs: Sequence[Path]) -> list[str]:
     a change that makes steps dearer or cheaper."""
     if len(run_dirs) < 2:
         raise MtxError("mtx compare needs at least two runs (--run A --run B)")
-    valids = []
-    for run_dir in run_dirs:
-        valid = _events(run_dir)[1]
-        if not valid:
-            raise MtxError(f"{run_dir}/metrics.jsonl holds no validation yet")
-        valids.append(valid)
+    valids = [_events(run_dir)[1] for run_dir in run_dirs]
+    if not valids[0]:  # its validations are the rows
+        raise MtxError(f"{run_dirs[0]}/metrics.jsonl holds no validation yet; give a run that has validated first")
     labels = run_labels(run_dirs)
     head = ["step", "min", labels[0]]
     for label in labels[1:]:
@@ -280,7 +277,8 @@ def compare_runs(run_dirs: Sequence[Path]) -> list[str]:
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     title = "val loss / greedy val BLEU at each validation of the first run; min: minutes of training"
-    notes = []
+    # another run without one yet shows "-" (stop 65: the whole table was refused)
+    notes = [f"note: {label} has no validation yet" for label, valid in zip(labels, valids, strict=True) if not valid]
     data = {label: _validation_data(run_dir) for label, run_dir in zip(labels, run_dirs, strict=True)}
     known = [d for d in data.values() if d is not None]
     # where every run's val files were read, the sentences decide; else what the configs say

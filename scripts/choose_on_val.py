@@ -190,7 +190,11 @@ def choose(args: argparse.Namespace) -> None:
     warn_of_invisible_ends(refs, str(ref_file))
     src_ids = run.src_tok.encode_batch(src)
     alpha = cfg.decode.length_penalty
-    print(f"{args.run}: {split}, beam {cfg.decode.beam}, length penalty {alpha:g}, {cfg.decode.precision}")
+    # how many sentences: training's val BLEU scores train.eval_sentences of them, greedy (stop 65: unsaid)
+    print(
+        f"{args.run}: {split} ({len(src)} sentences), beam {cfg.decode.beam}, length penalty {alpha:g}, "
+        f"{cfg.decode.precision}"
+    )
 
     texts: dict[tuple[str, float, int], list[str]] = {}  # (candidate, penalty, beam) -> val translations
 
@@ -273,10 +277,15 @@ def choose(args: argparse.Namespace) -> None:
                 "--apply: an ensemble is several checkpoints, not one best.pt; "
                 f"{checkpoint_dir(args.run) / 'best.pt'} is unchanged"
             )
-    elif args.apply and chosen is not single_ckpt:
-        print(f"{make_best(args.run, chosen)} is now the {name}")
-    elif args.apply and single.name == BEST_SINGLE:  # an earlier average was best.pt
-        print(f"{single} is now {restore_best_single(args.run)} again")
+    else:
+        if "averaged_from" in chosen:  # the files, which the run's next steps make other "last N" (stop 65: unsaid)
+            result["averaged_from"] = [str(ckpts / name) for name in chosen["averaged_from"]]
+        if args.apply and chosen is not single_ckpt:
+            print(f"{make_best(args.run, chosen)} is now the {name}")
+        elif args.apply and single.name == BEST_SINGLE:  # an earlier average was best.pt
+            print(f"{single} is now {restore_best_single(args.run)} again")
+        elif args.apply:  # (stop 65: nothing was said)
+            print(f"--apply: the {start_name} ({single}) was chosen; nothing to change")
     print(json.dumps(result))
 
 

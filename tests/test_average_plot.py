@@ -347,7 +347,7 @@ def test_choose_on_val_scores_the_split_training_validated_on(
         script, [*run_args, "--last", "2", "--length-penalty", "1.0"], monkeypatch, capsys
     )
     assert code == 0, err
-    assert out.startswith(f"{run_copy}: dev, beam ") and out.splitlines()[0].endswith(", fp32")
+    assert out.startswith(f"{run_copy}: dev (6 sentences), beam ") and out.splitlines()[0].endswith(", fp32")
     # in the run's decode.precision, as mtx eval decodes it (stop 55: always fp32)
     config.write_text(config.read_text().replace("precision: fp32\n", "precision: bf16\n"))
     decoded = []
@@ -413,6 +413,9 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(
     kept_single = choice["chosen"] in ("best single", "ensemble of the last 2")  # an ensemble is not a best.pt
     assert (run_copy / "checkpoints" / "best_single.pt").is_file() == (not kept_single)
     assert ("checkpoints" in choice) == (choice["chosen"] == "ensemble of the last 2")
+    if choice["chosen"] == "average of the last 2":  # the files (stop 65: only "the last 2", which moves on)
+        assert choice["averaged_from"] == [str(p) for p in step_checkpoints(run_copy)[-2:]]
+    assert lines[0].startswith(f"{run_copy}: val (") and " sentences), beam " in lines[0]
     # the user mistakes, in this process (each a subprocess spent 2-3 s importing torch)
     run_args = ["--run", str(run_copy)]
     code, _, err = script_in_process(script, [*run_args, "--ensemble", "1"], monkeypatch, capsys)
@@ -524,6 +527,14 @@ def test_compare_lines_runs_up_at_equal_steps_and_equal_time(tmp_path: Path, cap
     assert rows[1] == ["200", "0.7", "2.000", "/", "20.00", "2.500", "/", "20.00", "1.900", "/", "40.00", "(400)"]
     assert rows[2][-4:] == ["1.700", "/", "60.00", "(600)"]
     assert main(["compare", "--run", str(slow)]) == 1  # one run: nothing to compare
+    # a run that has not validated yet: "-" beside the others (stop 65: the whole table was refused)
+    new = fake_run(tmp_path / "new", 0.1, [])
+    (new / "metrics.jsonl").write_text('{"event": "train", "step": 50, "loss": 5.0, "lr": 1e-3, "elapsed_s": 5}\n')
+    assert main(["compare", "--run", str(slow), "--run", str(new)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "note: new has no validation yet" and [r.split()[-2:] for r in out[3:]] == [["-", "-"]] * 3
+    assert main(["compare", "--run", str(new), "--run", str(slow)]) == 1  # its validations would be the rows
+    assert capsys.readouterr().err.startswith(f"mtx: error: {new}/metrics.jsonl holds no validation yet; give a run")
 
 
 def test_compare_tells_apart_runs_of_one_name_and_says_when_their_val_data_differ(
