@@ -1729,7 +1729,7 @@ class Trainer:
         record = {
             "event": "train",
             "step": st.step,
-            "epoch": st.epoch,
+            "epoch": self._trained_epoch(),
             "loss": st.window_loss / st.window_steps,
             "lr": self.optimizer.param_groups[0]["lr"],
             "tgt_tok_per_s": st.window_tokens / seconds,
@@ -1753,6 +1753,13 @@ class Trainer:
             return False
         st.window_steps, st.window_loss, st.window_tokens, st.window_seconds = 0, 0.0, 0, 0.0
         return True
+
+    def _trained_epoch(self) -> int:
+        """The epoch of the last step trained, for its records: at an epoch's first batch (0) the
+        position is past the end of the epoch before (stop 65: a run ended by train.max_epochs=2
+        logged its last steps and validation under epoch 2, which never ran)."""
+        st = self.state
+        return st.epoch - 1 if st.batch == 0 and st.epoch > 0 else st.epoch
 
     def _limit_reached(self) -> str | None:
         """The limit a resumed run had already reached (it trains no further), if any."""
@@ -1796,7 +1803,7 @@ class Trainer:
         st.validated_step = st.step
         result = self.validate()
         if result is not None:  # rank 0
-            record = {"event": "valid", "step": st.step, "epoch": st.epoch, **result, "elapsed_s": st.elapsed}
+            record = {"event": "valid", "step": st.step, "epoch": self._trained_epoch(), **result, "elapsed_s": st.elapsed}
             self._save_step_and_best(result["val_bleu"])
             record["best_bleu"] = st.best_bleu
             message = (

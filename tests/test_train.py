@@ -490,6 +490,8 @@ def test_max_epochs_stops_at_an_epoch_boundary(tmp_path: Path, mini_data: Path) 
     assert "done: reached train.max_epochs=1" in (run / "train.log").read_text()
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "train"][-1] == last["step"]  # stop 56: was unlogged
+    # the last train record and the validation carry the epoch trained (stop 65: epoch 1, which never ran)
+    assert {e["epoch"] for e in events} == {0} and events[-1]["event"] == "valid"
     assert_resume_trains_nothing(run, "train.max_epochs=1")
 
 
