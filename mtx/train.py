@@ -1300,15 +1300,17 @@ class Trainer:
         st = self.state
         if not fraction or epochs < st.epoch:
             return epochs
-        if self._from_main(budget_used(st.step, self.cfg.train, st.elapsed) < fraction):  # ranks' clocks differ
+        used = budget_used(st.step, self.cfg.train, st.elapsed)
+        if self._from_main(used < fraction):  # ranks' clocks differ
             return st.epoch + 1
-        if self.ranks.is_main:
+        if self.ranks.is_main:  # the share used, not the fraction: a phase holds whole epochs (stop 65)
             log.info(
-                "epoch %d: %s from here on (%s=%g of the budget used at step %d)",
+                "epoch %d: %s from here on (%s=%g; %.2f of the budget used at step %d)",
                 st.epoch,
                 after,
                 key,
                 fraction,
+                used,
                 st.step,
             )
         return epochs

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
 import types
 from pathlib import Path
@@ -493,6 +494,19 @@ def test_max_epochs_stops_at_an_epoch_boundary(tmp_path: Path, mini_data: Path) 
     # the last train record and the validation carry the epoch trained (stop 65: epoch 1, which never ran)
     assert {e["epoch"] for e in events} == {0} and events[-1]["event"] == "valid"
     assert_resume_trains_nothing(run, "train.max_epochs=1")
+
+
+def test_a_phases_end_line_gives_the_share_of_the_budget_used(tmp_path: Path, mini_data: Path) -> None:
+    """The line read "train.bidirectional=0.3 of the budget used at step 18", though 18 of the 20
+    steps had been used: a phase holds whole epochs, so it may cover more than its fraction (stop 65)."""
+    run = tmp_path / "run"
+    both = ["--set", "train.bidirectional=0.3", "--set", "train.max_steps=20", "--set", "train.eval_sentences=5"]
+    assert main(tiny_args(mini_data, run, *both)) == 0
+    line = re.search(
+        r"epoch 1: de->en only from here on \(train\.bidirectional=0\.3; (\d\.\d\d) of the budget used at step (\d+)\)",
+        (run / "train.log").read_text(),
+    )
+    assert line is not None and float(line[1]) == round(int(line[2]) / 20, 2) > 0.3
 
 
 def test_logged_throughput_leaves_out_validation_and_elapsed_time_counts_it(
