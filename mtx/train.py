@@ -1049,19 +1049,15 @@ class Trainer:
             log.info("train.amp auto: going on in %s, as the run was trained", saved if keep else "fp32")
             self.amp = keep
 
-    def _load_optimizer(self, state: dict[str, Any], saved: dict[str, Any], step: int) -> None:
+    def _load_optimizer(self, state: dict[str, Any]) -> None:
         """The optimizer's moments from last.pt, under this config's Adam settings: torch's
         load_state_dict puts back the saved betas, eps and weight decay (stop 64: `--resume --set
         train.weight_decay=0.1` was written to config.yaml and never used). The rate is set at
-        every step."""
+        every step; `config_changes` logs what changed."""
         settings = [{key: group[key] for key in _ADAM_SETTINGS.values()} for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state)
         for group, own in zip(self.optimizer.param_groups, settings, strict=True):
             group.update(own)
-        now = to_dict(self.cfg)["train"]
-        for key in _ADAM_SETTINGS:
-            if key in saved and saved[key] != now[key] and self.ranks.is_main:
-                log.info("train.%s: %r until step %d, %r from now on", key, saved[key], step, now[key])
 
     def _restore(self, ckpt: dict[str, Any] | None = None) -> None:
         """Continue from last.pt (`ckpt`, where loaded already): weights, optimizer, scaler, RNG
@@ -1076,7 +1072,7 @@ class Trainer:
         ckpt_io.check_compatible(ckpt, path, self.vocab, self.model)
         self.model.load_state_dict(ckpt["model"])
         try:
-            self._load_optimizer(ckpt["optimizer"], ckpt["config"].get("train", {}), ckpt["state"]["step"])
+            self._load_optimizer(ckpt["optimizer"])
             if ckpt["scaler"]:  # empty when saved without fp16: a run resumed in fp16 starts a fresh scaler
                 self.scaler.load_state_dict(ckpt["scaler"])
             self.state = TrainState(**ckpt["state"])
@@ -1163,6 +1159,9 @@ class Trainer:
                 )
             st.epoch, st.batch = st.epoch + 1, 0
         self.saved_step = self.state.step
+        if self.ranks.is_main:  # (stop 65: only the Adam settings were logged; config.yaml holds the new values only)
+            for key, old, new in config_changes(saved, self.cfg):
+                log.info("%s: %r until step %d, %r from now on", key, old, self.state.step, new)
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)", path, self.state.step, self.state.epoch, self.state.batch
         )
@@ -1805,7 +1804,8 @@ class Trainer:
         st.validated_step = st.step
         result = self.validate()
         if result is not None:  # rank 0
-            record = {"event": "valid", "step": st.step, "epoch": self._trained_epoch(), **result, "elapsed_s": st.elapsed}
+            epoch = self._trained_epoch()
+            record = {"event": "valid", "step": st.step, "epoch": epoch, **result, "elapsed_s": st.elapsed}
             self._save_step_and_best(result["val_bleu"])
             record["best_bleu"] = st.best_bleu
             message = (
@@ -2037,6 +2037,19 @@ _FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer st
     # sentences it was scored on (stop 55: 2 sentences' 3.51 beat 100 sentences' 2.90)
     "train": ("optimizer", "init_from", "eval_sentences"),
 }
+
+
+def config_changes(saved: dict[str, Any], cfg: Config) -> list[tuple[str, Any, Any]]:
+    """(dotted key, its value in last.pt's config `saved`, its value in `cfg`) for every key that a
+    resume changes, in the config's order: the run trained with the old values up to the resume.
+    A key that an older mtx's last.pt lacks trained as its default."""
+    default = to_dict(Config())
+    return [
+        (f"{section}.{key}", old, value)
+        for section, values in to_dict(cfg).items()
+        for key, value in values.items()
+        if (old := saved.get(section, {}).get(key, default[section][key])) != value
+    ]
 
 
 def _check_resumable(last: dict[str, Any], path: Path) -> None:

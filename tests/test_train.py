@@ -770,6 +770,25 @@ def test_a_resume_trains_on_with_the_adam_settings_it_was_given(tmp_path: Path, 
     assert "train.adam_betas: [0.9, 0.98] until step 2, [0.8, 0.9] from now on" in log
 
 
+def test_a_resume_logs_every_key_it_changes(tmp_path: Path, mini_data: Path) -> None:
+    """Only the Adam settings were logged; config.yaml, rewritten with the new values, read as if
+    the whole run had trained with them (stop 65)."""
+    run = tmp_path / "run"
+    assert main(tiny_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_sentences=5")) == 0
+    changes = ["train.lr=0.01", "train.label_smoothing=0.3", "model.dropout=0.4", "train.schedule=linear"]
+    resume = ["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=3"]
+    assert main([*resume, *(arg for change in changes for arg in ("--set", change))]) == 0
+    log = (run / "train.log").read_text().splitlines()
+    lines = [line.split(" INFO ", 1)[1] for line in log if "from now on" in line]
+    assert lines == [
+        "model.dropout: 0.1 until step 2, 0.4 from now on",
+        "train.max_steps: 2 until step 2, 3 from now on",
+        "train.lr: 0.003 until step 2, 0.01 from now on",
+        "train.schedule: 'inverse_sqrt' until step 2, 'linear' from now on",
+        "train.label_smoothing: 0.1 until step 2, 0.3 from now on",
+    ]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
 def test_a_device_that_is_not_here_is_refused_before_the_data_is_sought(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
