@@ -1567,6 +1567,8 @@ class Trainer:
                 tc.accum_steps,
             )
         main = self.ranks.is_main
+        if main and limit is None:
+            self._warn_of_settings()
         metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") if main else None
         bar = progress_bar(
             (lambda: 60 * tc.max_minutes - st.elapsed) if tc.max_minutes else None,
@@ -1699,6 +1701,57 @@ class Trainer:
             st.elapsed,
         )
         return st
+
+    def _warn_of_settings(self) -> None:
+        """Say once, as training starts, where settings train otherwise than they read: a dropout
+        ramp that falls, and a budget fraction (train.schedule linear, the phases) counted of
+        train.max_steps in a run that train.max_epochs ends first. The epochs' length is that of
+        the longest epoch these settings make (the model's translations taken as long as train
+        both ways until they are made), so the step is an estimate from above."""
+        tc, st = self.cfg.train, self.state
+        final = self.cfg.model.dropout
+        if tc.dropout_warmup > 1 and tc.dropout_start > final and st.step < tc.dropout_warmup:
+            # (stop 65: annealing may be meant, but the ramp is documented as rising; no word was said)
+            log.warning(
+                "train.dropout_start %g is above model.dropout %g: the dropout rate falls from %g to %g over "
+                "the first %d updates (train.dropout_warmup) rather than rising",
+                tc.dropout_start,
+                final,
+                tc.dropout_start,
+                final,
+                tc.dropout_warmup,
+            )
+        fractions = [
+            name
+            for name, on in (
+                ("train.schedule linear", tc.schedule == "linear"),
+                (f"train.bidirectional={tc.bidirectional:g}", tc.bidirectional > 0),
+                (f"train.extra_sources={tc.extra_sources:g}", tc.extra_sources > 0),
+                (f"train.diversify={tc.diversify:g}", tc.diversify > 0),
+            )
+            if on
+        ]
+        if not tc.max_epochs or st.epoch >= tc.max_epochs or not fractions:
+            return
+        longest = self.train_ids.both_ways() if tc.bidirectional else self.train_ids
+        if self.extra_ids is not None:
+            longest = longest + self.extra_ids
+        if self.synthetic is not None or tc.diversify:
+            longest = longest + (self.synthetic if self.synthetic is not None else self.train_ids.both_ways())
+        batches = epoch_length(longest, tc.batch_tokens, tc.seed, st.epoch, self.ranks.world_size)
+        steps = st.step + (tc.max_epochs - st.epoch) * -(-batches // tc.accum_steps)
+        if steps < tc.max_steps:  # (stop 65: a linear rate ended such a run at 0.96 of its peak, unsaid)
+            effects = ["the rate does not decay to zero"] if tc.schedule == "linear" else []
+            effects += ["a phase may cover every epoch"] if len(fractions) > len(effects) else []
+            log.warning(
+                "train.max_epochs=%d ends the run by about step %d, before train.max_steps=%d, the budget of %s: "
+                "%s; set train.max_steps to about the run's length",
+                tc.max_epochs,
+                steps,
+                tc.max_steps,
+                " and ".join(fractions),
+                " and ".join(effects),
+            )
 
     def _save_before_step(self, epoch: int, batch: int, rng: dict[str, Any]) -> str:
         """After a step ran out of memory before its update: last.pt as it stood before the step,

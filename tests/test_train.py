@@ -509,6 +509,28 @@ def test_a_phases_end_line_gives_the_share_of_the_budget_used(tmp_path: Path, mi
     assert line is not None and float(line[1]) == round(int(line[2]) / 20, 2) > 0.3
 
 
+def test_settings_that_train_otherwise_than_they_read_are_warned_of(tmp_path: Path, mini_data: Path) -> None:
+    """A linear rate counts train.max_steps, which train.max_epochs may never reach (stop 65: the
+    run ended at 0.96 of the peak rate without a word), and a dropout ramp from above model.dropout
+    falls; once each, at the start, and not where they do not apply."""
+    run = tmp_path / "run"
+    settings = ["train.schedule=linear", "train.max_epochs=1", "train.max_steps=1000", "train.eval_sentences=5"]
+    settings += ["model.dropout=0", "train.dropout_warmup=100", "train.dropout_start=0.2"]
+    assert main(tiny_args(mini_data, run, *(arg for s in settings for arg in ("--set", s)))) == 0
+    steps = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"]
+    log = (run / "train.log").read_text()
+    assert (
+        f"train.max_epochs=1 ends the run by about step {steps}, before train.max_steps=1000, the budget of "
+        "train.schedule linear: the rate does not decay to zero; set train.max_steps" in log
+    )
+    assert "train.dropout_start 0.2 is above model.dropout 0: the dropout rate falls from 0.2 to 0" in log
+    # the steps end first, and the dropout ramp starts from 0
+    resume = ["train", "--run-dir", str(run), "--resume", "--set", "train.max_epochs=3"]
+    assert main([*resume, "--set", f"train.max_steps={steps + 2}", "--set", "train.dropout_start=0"]) == 0
+    log = (run / "train.log").read_text()
+    assert log.count("ends the run by about step") == 1 and log.count("the dropout rate falls") == 1
+
+
 def test_logged_throughput_leaves_out_validation_and_elapsed_time_counts_it(
     tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
