@@ -46,7 +46,9 @@ class TokenizerConfig:
     vocab_size: int = 8000
     joint: bool = True  # one vocabulary for both languages (enables full weight tying)
     min_frequency: int = 2
-    bpe_dropout: float = 0.0  # BPE-dropout on training sentences, a fresh segmentation each epoch
+    # BPE-dropout on training sentences (train's, data.extra_src_langs', train.diversify's), a fresh
+    # segmentation each epoch
+    bpe_dropout: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -825,9 +825,14 @@ class Trainer:
         if extra_texts is None:
             extra_texts = extra_source_texts(data_dir, cfg.data)
         self.extra_ids = self._extra_source_ids(*extra_texts)  # (extra language, tgt) pairs, or None
+        # the texts of the extra pairs kept, for BPE-dropout's segmentations
+        kept = self.extra_ids.rows if self.extra_ids is not None else []
+        self.extra_texts = ([extra_texts[0][i] for i in kept], [extra_texts[1][i] for i in kept])
         # what the epochs' plans are made of: a resume mid-epoch on other data starts the next epoch
         self.data_digest = data_digest(train_src, train_tgt, *extra_texts)
-        self.epoch_ids: tuple[int, ParallelIds] | None = None  # (epoch, its BPE-dropout segmentation)
+        # (epoch, its BPE-dropout segmentation of train's pairs, of the extra-source pairs and of the
+        # model's translations, the last two None where the epoch has none: `_segmented_ids`)
+        self.epoch_ids: tuple[int, ParallelIds, ParallelIds | None, ParallelIds | None] | None = None
         self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
         self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
         self.setup_seconds = 0.0  # of epochs' setup since the fit loop last took it (`_micro_batches`)
@@ -997,7 +1002,12 @@ class Trainer:
                 state=asdict(self.state),
             )
             if self.epoch_ids is not None:  # a resumed epoch goes on over the same segmentation
-                out["epoch_ids"] = {"epoch": self.epoch_ids[0], **self.epoch_ids[1].to_tensors()}
+                epoch, real, extra, synthetic = self.epoch_ids
+                out["epoch_ids"] = {"epoch": epoch, **real.to_tensors()}
+                if extra is not None:
+                    out["epoch_extra_ids"] = extra.to_tensors()
+                if synthetic is not None:
+                    out["epoch_synthetic_ids"] = synthetic.to_tensors()
             if self.synthetic is not None:  # a resumed run trains on the same synthetic pairs
                 out["synthetic"] = self.synthetic.to_tensors()
             if self.ema is not None:
@@ -1082,7 +1092,13 @@ class Trainer:
                 self.state.patience_best_bleu = self.state.best_bleu
             if "epoch_ids" in ckpt and self.cfg.tokenizer.bpe_dropout:
                 saved = dict(ckpt["epoch_ids"])
-                self.epoch_ids = (int(saved.pop("epoch")), ParallelIds.from_tensors(saved))
+                extra, synthetic = (ckpt.get(key) for key in ("epoch_extra_ids", "epoch_synthetic_ids"))
+                self.epoch_ids = (
+                    int(saved.pop("epoch")),
+                    ParallelIds.from_tensors(saved),
+                    ParallelIds.from_tensors(extra) if extra is not None else None,
+                    ParallelIds.from_tensors(synthetic) if synthetic is not None else None,
+                )
             if "synthetic" in ckpt:
                 self.synthetic = ParallelIds.from_tensors(ckpt["synthetic"])
             self._keep_cpu_precision(ckpt.get("cpu_amp"))
@@ -1382,36 +1398,60 @@ class Trainer:
         return synthetic
 
     def _epoch_ids(self, epoch: int) -> ParallelIds:
-        """The training ids of `epoch`: always the same, or with tokenizer.bpe_dropout a fresh
-        segmentation per epoch, drawn on rank 0 and sent to the other ranks; each pair also
-        reversed in the first `state.both_ways_epochs` epochs (train.bidirectional); the pairs of
-        the extra source languages added in the first `state.extra_source_epochs` epochs
-        (train.extra_sources); the model's translations of train added from
-        `state.diversified_epoch` on (train.diversify)."""
-        ids = self._segmented_ids(epoch)
+        """The training ids of `epoch` (`_segmented_ids`): train's pairs, each also reversed in the
+        first `state.both_ways_epochs` epochs (train.bidirectional); the pairs of the extra source
+        languages added in the first `state.extra_source_epochs` epochs (train.extra_sources); the
+        model's translations of train added from `state.diversified_epoch` on (train.diversify)."""
+        ids, extra, synthetic = self._segmented_ids(epoch)
         if epoch < self.state.both_ways_epochs:
             ids = ids.both_ways()
-        if self.extra_ids is not None and epoch < self.state.extra_source_epochs:
-            ids = ids + self.extra_ids
-        if self.synthetic is not None and epoch >= self.state.diversified_epoch:
-            ids = ids + self.synthetic
+        if extra is not None:
+            ids = ids + extra
+        if synthetic is not None:
+            ids = ids + synthetic
         return ids
 
-    def _segmented_ids(self, epoch: int) -> ParallelIds:
+    def _segmented_ids(self, epoch: int) -> tuple[ParallelIds, ParallelIds | None, ParallelIds | None]:
+        """Train's pairs, and the extra-source pairs and the model's translations that `epoch` adds
+        (None where it adds none): as encoded, or with tokenizer.bpe_dropout a fresh segmentation
+        of each per epoch, drawn on rank 0 and sent to the other ranks (stop 65: the extra-source
+        and translated pairs kept the plain one, and with them half or more of an epoch's
+        targets). The translations are segmented afresh from their text."""
+        extra = self.extra_ids if self.extra_ids is not None and epoch < self.state.extra_source_epochs else None
+        synthetic = self.synthetic if self.synthetic is not None and epoch >= self.state.diversified_epoch else None
         p = self.cfg.tokenizer.bpe_dropout
         if not p:
-            return self.train_ids
+            return self.train_ids, extra, synthetic
         if self.epoch_ids is None or self.epoch_ids[0] != epoch:
 
-            def segment() -> ParallelIds:
-                if self.dropout_toks is None:  # built once; each encode draws a fresh segmentation
-                    src_tok = self.src_tok.with_dropout(p)
-                    tgt_tok = src_tok if self.tgt_tok is self.src_tok else self.tgt_tok.with_dropout(p)
-                    self.dropout_toks = (src_tok, tgt_tok)
-                return self.train_ids.resegmented(*self.train_texts, *self.dropout_toks, self.cfg.data.max_len)
+            def segment(ids: ParallelIds, texts: Callable[[], tuple[list[str], list[str]]]) -> ParallelIds:
+                def make() -> ParallelIds:
+                    if self.dropout_toks is None:  # built once; each encode draws a fresh segmentation
+                        src_tok = self.src_tok.with_dropout(p)
+                        tgt_tok = src_tok if self.tgt_tok is self.src_tok else self.tgt_tok.with_dropout(p)
+                        self.dropout_toks = (src_tok, tgt_tok)
+                    return ids.resegmented(*texts(), *self.dropout_toks, self.cfg.data.max_len)
 
-            self.epoch_ids = (epoch, self._ids_from_main(segment))
-        return self.epoch_ids[1]
+                return self._ids_from_main(make)
+
+            def translated() -> tuple[list[str], list[str]]:
+                assert synthetic is not None
+                return self.src_tok.decode_batch(synthetic.src_ids), self.tgt_tok.decode_batch(synthetic.tgt_ids)
+
+            self.epoch_ids = (
+                epoch,
+                segment(self.train_ids, lambda: self.train_texts),
+                segment(extra, lambda: self.extra_texts) if extra is not None else None,
+                segment(synthetic, translated) if synthetic is not None else None,
+            )
+        _, real, extra_seg, synthetic_seg = self.epoch_ids
+        # a last.pt saved before stop 65 holds train's segmentation alone: its epoch goes on with
+        # the other pairs as encoded, as it began
+        if extra is not None and extra_seg is not None:
+            extra = extra_seg
+        if synthetic is not None and synthetic_seg is not None:
+            synthetic = synthetic_seg
+        return real, extra, synthetic
 
     def train_step(self, group: list[Batch]) -> tuple[float, int, bool]:
         """Forward/backward over the micro-batches, then one optimizer update.
