@@ -46,7 +46,9 @@ class TokenizerConfig:
     vocab_size: int = 8000
     joint: bool = True  # one vocabulary for both languages (enables full weight tying)
     min_frequency: int = 2
-    bpe_dropout: float = 0.0  # BPE-dropout on training sentences, a fresh segmentation each epoch
+    # BPE-dropout on training sentences (train's, data.extra_src_langs', train.diversify's), a fresh
+    # segmentation each epoch
+    bpe_dropout: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -603,10 +605,12 @@ def validate(cfg: Config, where: str = "config") -> None:
             f"{cfg.train.bidirectional:g} < {cfg.train.diversify:g} (the model back-translates train's targets, "
             "so it must still be training tgt->src then)"
         )
-    if cfg.train.rdrop and not (m.dropout or m.attention_dropout):
+    # model.activation_dropout is dropout too: -1 follows model.dropout, above 0 a rate of its own
+    # (stop 65: a model whose only dropout was the FFN's was refused as having none)
+    if cfg.train.rdrop and not (m.dropout or m.attention_dropout or m.activation_dropout > 0):
         raise ConfigError(
-            f"{where}: train.rdrop needs model.dropout or model.attention_dropout above 0 (without dropout "
-            "its two passes are the same and it only doubles the cost of a step)"
+            f"{where}: train.rdrop needs model.dropout, model.attention_dropout or model.activation_dropout "
+            "above 0 (without dropout its two passes are the same and it only doubles the cost of a step)"
         )
     if cfg.train.dropout_warmup and cfg.train.compile:
         raise ConfigError(

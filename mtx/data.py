@@ -618,14 +618,15 @@ class ParallelIds:
         self, src: Sequence[str], tgt: Sequence[str], src_tok: BPE, tgt_tok: BPE, max_len: int
     ) -> ParallelIds:
         """These pairs (`src`, `tgt`: their texts) tokenised again, by tokenizers with BPE-dropout;
-        a pair whose new pieces exceed max_len on either side keeps its pieces here, so that every
+        a pair whose new pieces exceed max_len on either side, or leave a side empty (a model's
+        translation decoded to nothing but special pieces), keeps its pieces here, so that every
         epoch trains on the same pairs, the long ones too.
 
         (stop 63: each epoch's dropout segmentation was filtered by data.max_len again; its pieces
         are more, so the longest pairs dropped out, 24% of train at max_len 40 and dropout 0.3)"""
         src_ids, tgt_ids = src_tok.encode_batch(src), tgt_tok.encode_batch(tgt)
         for i, (s, t) in enumerate(zip(src_ids, tgt_ids, strict=True)):
-            if len(s) > max_len or len(t) > max_len:
+            if len(s) > max_len or len(t) > max_len or not s or not t:
                 src_ids[i], tgt_ids[i] = self.src_ids[i], self.tgt_ids[i]
         return ParallelIds(src_ids, tgt_ids)
 

@@ -825,9 +825,14 @@ class Trainer:
         if extra_texts is None:
             extra_texts = extra_source_texts(data_dir, cfg.data)
         self.extra_ids = self._extra_source_ids(*extra_texts)  # (extra language, tgt) pairs, or None
+        # the texts of the extra pairs kept, for BPE-dropout's segmentations
+        kept = self.extra_ids.rows if self.extra_ids is not None else []
+        self.extra_texts = ([extra_texts[0][i] for i in kept], [extra_texts[1][i] for i in kept])
         # what the epochs' plans are made of: a resume mid-epoch on other data starts the next epoch
         self.data_digest = data_digest(train_src, train_tgt, *extra_texts)
-        self.epoch_ids: tuple[int, ParallelIds] | None = None  # (epoch, its BPE-dropout segmentation)
+        # (epoch, its BPE-dropout segmentation of train's pairs, of the extra-source pairs and of the
+        # model's translations, the last two None where the epoch has none: `_segmented_ids`)
+        self.epoch_ids: tuple[int, ParallelIds, ParallelIds | None, ParallelIds | None] | None = None
         self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
         self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
         self.setup_seconds = 0.0  # of epochs' setup since the fit loop last took it (`_micro_batches`)
@@ -997,7 +1002,12 @@ class Trainer:
                 state=asdict(self.state),
             )
             if self.epoch_ids is not None:  # a resumed epoch goes on over the same segmentation
-                out["epoch_ids"] = {"epoch": self.epoch_ids[0], **self.epoch_ids[1].to_tensors()}
+                epoch, real, extra, synthetic = self.epoch_ids
+                out["epoch_ids"] = {"epoch": epoch, **real.to_tensors()}
+                if extra is not None:
+                    out["epoch_extra_ids"] = extra.to_tensors()
+                if synthetic is not None:
+                    out["epoch_synthetic_ids"] = synthetic.to_tensors()
             if self.synthetic is not None:  # a resumed run trains on the same synthetic pairs
                 out["synthetic"] = self.synthetic.to_tensors()
             if self.ema is not None:
@@ -1049,19 +1059,15 @@ class Trainer:
             log.info("train.amp auto: going on in %s, as the run was trained", saved if keep else "fp32")
             self.amp = keep
 
-    def _load_optimizer(self, state: dict[str, Any], saved: dict[str, Any], step: int) -> None:
+    def _load_optimizer(self, state: dict[str, Any]) -> None:
         """The optimizer's moments from last.pt, under this config's Adam settings: torch's
         load_state_dict puts back the saved betas, eps and weight decay (stop 64: `--resume --set
         train.weight_decay=0.1` was written to config.yaml and never used). The rate is set at
-        every step."""
+        every step; `config_changes` logs what changed."""
         settings = [{key: group[key] for key in _ADAM_SETTINGS.values()} for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state)
         for group, own in zip(self.optimizer.param_groups, settings, strict=True):
             group.update(own)
-        now = to_dict(self.cfg)["train"]
-        for key in _ADAM_SETTINGS:
-            if key in saved and saved[key] != now[key] and self.ranks.is_main:
-                log.info("train.%s: %r until step %d, %r from now on", key, saved[key], step, now[key])
 
     def _restore(self, ckpt: dict[str, Any] | None = None) -> None:
         """Continue from last.pt (`ckpt`, where loaded already): weights, optimizer, scaler, RNG
@@ -1076,7 +1082,7 @@ class Trainer:
         ckpt_io.check_compatible(ckpt, path, self.vocab, self.model)
         self.model.load_state_dict(ckpt["model"])
         try:
-            self._load_optimizer(ckpt["optimizer"], ckpt["config"].get("train", {}), ckpt["state"]["step"])
+            self._load_optimizer(ckpt["optimizer"])
             if ckpt["scaler"]:  # empty when saved without fp16: a run resumed in fp16 starts a fresh scaler
                 self.scaler.load_state_dict(ckpt["scaler"])
             self.state = TrainState(**ckpt["state"])
@@ -1086,7 +1092,13 @@ class Trainer:
                 self.state.patience_best_bleu = self.state.best_bleu
             if "epoch_ids" in ckpt and self.cfg.tokenizer.bpe_dropout:
                 saved = dict(ckpt["epoch_ids"])
-                self.epoch_ids = (int(saved.pop("epoch")), ParallelIds.from_tensors(saved))
+                extra, synthetic = (ckpt.get(key) for key in ("epoch_extra_ids", "epoch_synthetic_ids"))
+                self.epoch_ids = (
+                    int(saved.pop("epoch")),
+                    ParallelIds.from_tensors(saved),
+                    ParallelIds.from_tensors(extra) if extra is not None else None,
+                    ParallelIds.from_tensors(synthetic) if synthetic is not None else None,
+                )
             if "synthetic" in ckpt:
                 self.synthetic = ParallelIds.from_tensors(ckpt["synthetic"])
             self._keep_cpu_precision(ckpt.get("cpu_amp"))
@@ -1163,6 +1175,9 @@ class Trainer:
                 )
             st.epoch, st.batch = st.epoch + 1, 0
         self.saved_step = self.state.step
+        if self.ranks.is_main:  # (stop 65: only the Adam settings were logged; config.yaml holds the new values only)
+            for key, old, new in config_changes(saved, self.cfg):
+                log.info("%s: %r until step %d, %r from now on", key, old, self.state.step, new)
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)", path, self.state.step, self.state.epoch, self.state.batch
         )
@@ -1300,15 +1315,17 @@ class Trainer:
         st = self.state
         if not fraction or epochs < st.epoch:
             return epochs
-        if self._from_main(budget_used(st.step, self.cfg.train, st.elapsed) < fraction):  # ranks' clocks differ
+        used = budget_used(st.step, self.cfg.train, st.elapsed)
+        if self._from_main(used < fraction):  # ranks' clocks differ
             return st.epoch + 1
-        if self.ranks.is_main:
+        if self.ranks.is_main:  # the share used, not the fraction: a phase holds whole epochs (stop 65)
             log.info(
-                "epoch %d: %s from here on (%s=%g of the budget used at step %d)",
+                "epoch %d: %s from here on (%s=%g; %.2f of the budget used at step %d)",
                 st.epoch,
                 after,
                 key,
                 fraction,
+                used,
                 st.step,
             )
         return epochs
@@ -1381,36 +1398,60 @@ class Trainer:
         return synthetic
 
     def _epoch_ids(self, epoch: int) -> ParallelIds:
-        """The training ids of `epoch`: always the same, or with tokenizer.bpe_dropout a fresh
-        segmentation per epoch, drawn on rank 0 and sent to the other ranks; each pair also
-        reversed in the first `state.both_ways_epochs` epochs (train.bidirectional); the pairs of
-        the extra source languages added in the first `state.extra_source_epochs` epochs
-        (train.extra_sources); the model's translations of train added from
-        `state.diversified_epoch` on (train.diversify)."""
-        ids = self._segmented_ids(epoch)
+        """The training ids of `epoch` (`_segmented_ids`): train's pairs, each also reversed in the
+        first `state.both_ways_epochs` epochs (train.bidirectional); the pairs of the extra source
+        languages added in the first `state.extra_source_epochs` epochs (train.extra_sources); the
+        model's translations of train added from `state.diversified_epoch` on (train.diversify)."""
+        ids, extra, synthetic = self._segmented_ids(epoch)
         if epoch < self.state.both_ways_epochs:
             ids = ids.both_ways()
-        if self.extra_ids is not None and epoch < self.state.extra_source_epochs:
-            ids = ids + self.extra_ids
-        if self.synthetic is not None and epoch >= self.state.diversified_epoch:
-            ids = ids + self.synthetic
+        if extra is not None:
+            ids = ids + extra
+        if synthetic is not None:
+            ids = ids + synthetic
         return ids
 
-    def _segmented_ids(self, epoch: int) -> ParallelIds:
+    def _segmented_ids(self, epoch: int) -> tuple[ParallelIds, ParallelIds | None, ParallelIds | None]:
+        """Train's pairs, and the extra-source pairs and the model's translations that `epoch` adds
+        (None where it adds none): as encoded, or with tokenizer.bpe_dropout a fresh segmentation
+        of each per epoch, drawn on rank 0 and sent to the other ranks (stop 65: the extra-source
+        and translated pairs kept the plain one, and with them half or more of an epoch's
+        targets). The translations are segmented afresh from their text."""
+        extra = self.extra_ids if self.extra_ids is not None and epoch < self.state.extra_source_epochs else None
+        synthetic = self.synthetic if self.synthetic is not None and epoch >= self.state.diversified_epoch else None
         p = self.cfg.tokenizer.bpe_dropout
         if not p:
-            return self.train_ids
+            return self.train_ids, extra, synthetic
         if self.epoch_ids is None or self.epoch_ids[0] != epoch:
 
-            def segment() -> ParallelIds:
-                if self.dropout_toks is None:  # built once; each encode draws a fresh segmentation
-                    src_tok = self.src_tok.with_dropout(p)
-                    tgt_tok = src_tok if self.tgt_tok is self.src_tok else self.tgt_tok.with_dropout(p)
-                    self.dropout_toks = (src_tok, tgt_tok)
-                return self.train_ids.resegmented(*self.train_texts, *self.dropout_toks, self.cfg.data.max_len)
+            def segment(ids: ParallelIds, texts: Callable[[], tuple[list[str], list[str]]]) -> ParallelIds:
+                def make() -> ParallelIds:
+                    if self.dropout_toks is None:  # built once; each encode draws a fresh segmentation
+                        src_tok = self.src_tok.with_dropout(p)
+                        tgt_tok = src_tok if self.tgt_tok is self.src_tok else self.tgt_tok.with_dropout(p)
+                        self.dropout_toks = (src_tok, tgt_tok)
+                    return ids.resegmented(*texts(), *self.dropout_toks, self.cfg.data.max_len)
 
-            self.epoch_ids = (epoch, self._ids_from_main(segment))
-        return self.epoch_ids[1]
+                return self._ids_from_main(make)
+
+            def translated() -> tuple[list[str], list[str]]:
+                assert synthetic is not None
+                return self.src_tok.decode_batch(synthetic.src_ids), self.tgt_tok.decode_batch(synthetic.tgt_ids)
+
+            self.epoch_ids = (
+                epoch,
+                segment(self.train_ids, lambda: self.train_texts),
+                segment(extra, lambda: self.extra_texts) if extra is not None else None,
+                segment(synthetic, translated) if synthetic is not None else None,
+            )
+        _, real, extra_seg, synthetic_seg = self.epoch_ids
+        # a last.pt saved before stop 65 holds train's segmentation alone: its epoch goes on with
+        # the other pairs as encoded, as it began
+        if extra is not None and extra_seg is not None:
+            extra = extra_seg
+        if synthetic is not None and synthetic_seg is not None:
+            synthetic = synthetic_seg
+        return real, extra, synthetic
 
     def train_step(self, group: list[Batch]) -> tuple[float, int, bool]:
         """Forward/backward over the micro-batches, then one optimizer update.
@@ -1566,6 +1607,8 @@ class Trainer:
                 tc.accum_steps,
             )
         main = self.ranks.is_main
+        if main and limit is None:
+            self._warn_of_settings()
         metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") if main else None
         bar = progress_bar(
             (lambda: 60 * tc.max_minutes - st.elapsed) if tc.max_minutes else None,
@@ -1699,6 +1742,57 @@ class Trainer:
         )
         return st
 
+    def _warn_of_settings(self) -> None:
+        """Say once, as training starts, where settings train otherwise than they read: a dropout
+        ramp that falls, and a budget fraction (train.schedule linear, the phases) counted of
+        train.max_steps in a run that train.max_epochs ends first. The epochs' length is that of
+        the longest epoch these settings make (the model's translations taken as long as train
+        both ways until they are made), so the step is an estimate from above."""
+        tc, st = self.cfg.train, self.state
+        final = self.cfg.model.dropout
+        if tc.dropout_warmup > 1 and tc.dropout_start > final and st.step < tc.dropout_warmup:
+            # (stop 65: annealing may be meant, but the ramp is documented as rising; no word was said)
+            log.warning(
+                "train.dropout_start %g is above model.dropout %g: the dropout rate falls from %g to %g over "
+                "the first %d updates (train.dropout_warmup) rather than rising",
+                tc.dropout_start,
+                final,
+                tc.dropout_start,
+                final,
+                tc.dropout_warmup,
+            )
+        fractions = [
+            name
+            for name, on in (
+                ("train.schedule linear", tc.schedule == "linear"),
+                (f"train.bidirectional={tc.bidirectional:g}", tc.bidirectional > 0),
+                (f"train.extra_sources={tc.extra_sources:g}", tc.extra_sources > 0),
+                (f"train.diversify={tc.diversify:g}", tc.diversify > 0),
+            )
+            if on
+        ]
+        if not tc.max_epochs or st.epoch >= tc.max_epochs or not fractions:
+            return
+        longest = self.train_ids.both_ways() if tc.bidirectional else self.train_ids
+        if self.extra_ids is not None:
+            longest = longest + self.extra_ids
+        if self.synthetic is not None or tc.diversify:
+            longest = longest + (self.synthetic if self.synthetic is not None else self.train_ids.both_ways())
+        batches = epoch_length(longest, tc.batch_tokens, tc.seed, st.epoch, self.ranks.world_size)
+        steps = st.step + (tc.max_epochs - st.epoch) * -(-batches // tc.accum_steps)
+        if steps < tc.max_steps:  # (stop 65: a linear rate ended such a run at 0.96 of its peak, unsaid)
+            effects = ["the rate does not decay to zero"] if tc.schedule == "linear" else []
+            effects += ["a phase may cover every epoch"] if len(fractions) > len(effects) else []
+            log.warning(
+                "train.max_epochs=%d ends the run by about step %d, before train.max_steps=%d, the budget of %s: "
+                "%s; set train.max_steps to about the run's length",
+                tc.max_epochs,
+                steps,
+                tc.max_steps,
+                " and ".join(fractions),
+                " and ".join(effects),
+            )
+
     def _save_before_step(self, epoch: int, batch: int, rng: dict[str, Any]) -> str:
         """After a step ran out of memory before its update: last.pt as it stood before the step,
         its batches and random states too, so that a resume with nothing changed goes on as if the
@@ -1729,7 +1823,7 @@ class Trainer:
         record = {
             "event": "train",
             "step": st.step,
-            "epoch": st.epoch,
+            "epoch": self._trained_epoch(),
             "loss": st.window_loss / st.window_steps,
             "lr": self.optimizer.param_groups[0]["lr"],
             "tgt_tok_per_s": st.window_tokens / seconds,
@@ -1753,6 +1847,13 @@ class Trainer:
             return False
         st.window_steps, st.window_loss, st.window_tokens, st.window_seconds = 0, 0.0, 0, 0.0
         return True
+
+    def _trained_epoch(self) -> int:
+        """The epoch of the last step trained, for its records: at an epoch's first batch (0) the
+        position is past the end of the epoch before (stop 65: a run ended by train.max_epochs=2
+        logged its last steps and validation under epoch 2, which never ran)."""
+        st = self.state
+        return st.epoch - 1 if st.batch == 0 and st.epoch > 0 else st.epoch
 
     def _limit_reached(self) -> str | None:
         """The limit a resumed run had already reached (it trains no further), if any."""
@@ -1796,7 +1897,8 @@ class Trainer:
         st.validated_step = st.step
         result = self.validate()
         if result is not None:  # rank 0
-            record = {"event": "valid", "step": st.step, "epoch": st.epoch, **result, "elapsed_s": st.elapsed}
+            epoch = self._trained_epoch()
+            record = {"event": "valid", "step": st.step, "epoch": epoch, **result, "elapsed_s": st.elapsed}
             self._save_step_and_best(result["val_bleu"])
             record["best_bleu"] = st.best_bleu
             message = (
@@ -2032,6 +2134,19 @@ _FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer st
     # sentences it was scored on (stop 55: 2 sentences' 3.51 beat 100 sentences' 2.90)
     "train": ("optimizer", "init_from", "eval_sentences"),
 }
+
+
+def config_changes(saved: dict[str, Any], cfg: Config) -> list[tuple[str, Any, Any]]:
+    """(dotted key, its value in last.pt's config `saved`, its value in `cfg`) for every key that a
+    resume changes, in the config's order: the run trained with the old values up to the resume.
+    A key that an older mtx's last.pt lacks trained as its default."""
+    default = to_dict(Config())
+    return [
+        (f"{section}.{key}", old, value)
+        for section, values in to_dict(cfg).items()
+        for key, value in values.items()
+        if (old := saved.get(section, {}).get(key, default[section][key])) != value
+    ]
 
 
 def _check_resumable(last: dict[str, Any], path: Path) -> None:

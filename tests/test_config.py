@@ -115,7 +115,10 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("tokenizer:\n  bpe_dropout: 1.0\n", r"tokenizer.bpe_dropout must be in \[0, 1\)"),
         ("train:\n  ema: 1.0\n", r"train.ema must be in \[0, 1\)"),
         ("train:\n  rdrop: -1\n", r"train.rdrop must be >= 0"),
-        ("model:\n  dropout: 0\ntrain:\n  rdrop: 5\n", "train.rdrop needs model.dropout or model.attention_dropout"),
+        (
+            "model:\n  dropout: 0\n  activation_dropout: 0\ntrain:\n  rdrop: 5\n",
+            "train.rdrop needs model.dropout, model.attention_dropout or model.activation_dropout above 0",
+        ),
         ("train:\n  dropout_start: 2\n", r"train.dropout_start must be in \[0, 1\)"),
         ("train:\n  word_dropout: 1.0\n", r"train.word_dropout must be in \[0, 1\)"),
         ("train:\n  bidirectional: 1.0\n", r"train.bidirectional must be in \[0, 1\)"),
@@ -332,6 +335,15 @@ def test_a_saved_run_with_an_unramped_dropout_start_still_loads(tmp_path: Path) 
         load_config(path)
     with pytest.raises(ConfigError, match="train.dropout_start is set but train.dropout_warmup is 0"):
         load_config(path, ["train.max_steps=5"], whole=True)
+
+
+def test_rdrop_counts_the_ffns_own_dropout_as_dropout() -> None:
+    """A model whose only dropout is model.activation_dropout draws two different R-Drop passes:
+    it was refused as having no dropout (stop 65)."""
+    cfg = from_dict({"model": {"dropout": 0, "activation_dropout": 0.3}, "train": {"rdrop": 1}})
+    assert (cfg.model.activation_dropout, cfg.train.rdrop) == (0.3, 1.0)
+    with pytest.raises(ConfigError, match="train.rdrop needs model.dropout, model.attention_dropout or"):
+        from_dict({"model": {"dropout": 0}, "train": {"rdrop": 1}})  # -1: model.dropout's rate, 0
 
 
 def test_a_keys_error_names_where_the_value_came_from(tmp_path: Path) -> None:

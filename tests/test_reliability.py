@@ -222,6 +222,40 @@ def test_bpe_dropout_resegments_each_epoch_and_a_resumed_epoch_keeps_its_own(tmp
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=14"]) == 0
 
 
+def test_bpe_dropout_resegments_the_extra_source_pairs_and_the_models_translations_too(
+    tmp_path: Path, mini_data: Path, shared_data: Path
+) -> None:
+    """BPE-dropout reached train's own pairs only: the (fr, en) pairs of data.extra_src_langs and
+    train.diversify's pairs kept the plain segmentation every epoch, and with them half or more
+    of an epoch's targets (stop 65). A resumed epoch goes on over the segmentation it began with."""
+    data = shutil.copytree(mini_data, tmp_path / "data")
+    with gzip.open(shared_data / "train.fr.gz", "rt", encoding="utf-8") as f:
+        (data / "train.fr").write_text("".join(next(f) for _ in range(400)), encoding="utf-8")
+    run = tmp_path / "run"
+    common = ("--set", "data.extra_src_langs=[fr]", "--set", "train.extra_sources=0.9", "--set", "train.eval_every=30")
+    drop = ("--set", "tokenizer.bpe_dropout=0.1", "--set", "train.max_steps=3")
+    assert main(mini_args(data, run, *common, *drop)) == 0
+    ckpt = load_weights_only(run / "checkpoints" / "last.pt")
+    assert (ckpt["state"]["epoch"], ckpt["state"]["batch"]) == (0, 3) and "epoch_extra_ids" in ckpt
+
+    trainer = train_module.Trainer(load_config(run / "config.yaml"), run, resume=True)
+    real, extra, synthetic = trainer._segmented_ids(0)  # the resumed epoch's, from last.pt
+    assert extra is not None and synthetic is None
+    assert extra.src_ids == ParallelIds.from_tensors(ckpt["epoch_extra_ids"]).src_ids
+    plain = trainer.extra_ids
+    assert plain is not None and extra.src_ids != plain.src_ids and extra.tgt_ids != plain.tgt_ids
+    assert trainer.src_tok.decode_batch(extra.src_ids) == trainer.extra_texts[0] == read_lines(data / "train.fr")
+    assert trainer.tgt_tok.decode_batch(extra.tgt_ids) == trainer.extra_texts[1]
+    # the model's translations (here train's pairs reversed stand in for them), from their text
+    trainer.synthetic, trainer.state.diversified_epoch = trainer.train_ids.both_ways(), 1
+    trainer.state.extra_source_epochs = 2  # as planned at epoch 1's start
+    _, extra, synthetic = trainer._segmented_ids(1)
+    assert extra is not None and extra.src_ids != plain.src_ids  # a fresh segmentation
+    assert synthetic is not None and synthetic.src_ids != trainer.synthetic.src_ids
+    assert trainer.tgt_tok.decode_batch(synthetic.tgt_ids) == trainer.train_texts[1] + trainer.train_texts[0]
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=5"]) == 0
+
+
 def test_an_epochs_leftover_micro_batches_make_one_smaller_update_and_resume_exactly(
     tmp_path: Path, mini_data: Path
 ) -> None:

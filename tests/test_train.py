@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
 import types
 from pathlib import Path
@@ -490,7 +491,44 @@ def test_max_epochs_stops_at_an_epoch_boundary(tmp_path: Path, mini_data: Path) 
     assert "done: reached train.max_epochs=1" in (run / "train.log").read_text()
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["event"] == "train"][-1] == last["step"]  # stop 56: was unlogged
+    # the last train record and the validation carry the epoch trained (stop 65: epoch 1, which never ran)
+    assert {e["epoch"] for e in events} == {0} and events[-1]["event"] == "valid"
     assert_resume_trains_nothing(run, "train.max_epochs=1")
+
+
+def test_a_phases_end_line_gives_the_share_of_the_budget_used(tmp_path: Path, mini_data: Path) -> None:
+    """The line read "train.bidirectional=0.3 of the budget used at step 18", though 18 of the 20
+    steps had been used: a phase holds whole epochs, so it may cover more than its fraction (stop 65)."""
+    run = tmp_path / "run"
+    both = ["--set", "train.bidirectional=0.3", "--set", "train.max_steps=20", "--set", "train.eval_sentences=5"]
+    assert main(tiny_args(mini_data, run, *both)) == 0
+    line = re.search(
+        r"epoch 1: de->en only from here on \(train\.bidirectional=0\.3; (\d\.\d\d) of the budget used at step (\d+)\)",
+        (run / "train.log").read_text(),
+    )
+    assert line is not None and float(line[1]) == round(int(line[2]) / 20, 2) > 0.3
+
+
+def test_settings_that_train_otherwise_than_they_read_are_warned_of(tmp_path: Path, mini_data: Path) -> None:
+    """A linear rate counts train.max_steps, which train.max_epochs may never reach (stop 65: the
+    run ended at 0.96 of the peak rate without a word), and a dropout ramp from above model.dropout
+    falls; once each, at the start, and not where they do not apply."""
+    run = tmp_path / "run"
+    settings = ["train.schedule=linear", "train.max_epochs=1", "train.max_steps=1000", "train.eval_sentences=5"]
+    settings += ["model.dropout=0", "train.dropout_warmup=100", "train.dropout_start=0.2"]
+    assert main(tiny_args(mini_data, run, *(arg for s in settings for arg in ("--set", s)))) == 0
+    steps = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["step"]
+    log = (run / "train.log").read_text()
+    assert (
+        f"train.max_epochs=1 ends the run by about step {steps}, before train.max_steps=1000, the budget of "
+        "train.schedule linear: the rate does not decay to zero; set train.max_steps" in log
+    )
+    assert "train.dropout_start 0.2 is above model.dropout 0: the dropout rate falls from 0.2 to 0" in log
+    # the steps end first, and the dropout ramp starts from 0
+    resume = ["train", "--run-dir", str(run), "--resume", "--set", "train.max_epochs=3"]
+    assert main([*resume, "--set", f"train.max_steps={steps + 2}", "--set", "train.dropout_start=0"]) == 0
+    log = (run / "train.log").read_text()
+    assert log.count("ends the run by about step") == 1 and log.count("the dropout rate falls") == 1
 
 
 def test_logged_throughput_leaves_out_validation_and_elapsed_time_counts_it(
@@ -752,6 +790,25 @@ def test_a_resume_trains_on_with_the_adam_settings_it_was_given(tmp_path: Path, 
     log = (run / "train.log").read_text()
     assert "train.weight_decay: 0.0 until step 2, 0.05 from now on" in log
     assert "train.adam_betas: [0.9, 0.98] until step 2, [0.8, 0.9] from now on" in log
+
+
+def test_a_resume_logs_every_key_it_changes(tmp_path: Path, mini_data: Path) -> None:
+    """Only the Adam settings were logged; config.yaml, rewritten with the new values, read as if
+    the whole run had trained with them (stop 65)."""
+    run = tmp_path / "run"
+    assert main(tiny_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_sentences=5")) == 0
+    changes = ["train.lr=0.01", "train.label_smoothing=0.3", "model.dropout=0.4", "train.schedule=linear"]
+    resume = ["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=3"]
+    assert main([*resume, *(arg for change in changes for arg in ("--set", change))]) == 0
+    log = (run / "train.log").read_text().splitlines()
+    lines = [line.split(" INFO ", 1)[1] for line in log if "from now on" in line]
+    assert lines == [
+        "model.dropout: 0.1 until step 2, 0.4 from now on",
+        "train.max_steps: 2 until step 2, 3 from now on",
+        "train.lr: 0.003 until step 2, 0.01 from now on",
+        "train.schedule: 'inverse_sqrt' until step 2, 'linear' from now on",
+        "train.label_smoothing: 0.1 until step 2, 0.3 from now on",
+    ]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
