@@ -599,12 +599,14 @@ class ParallelIds:
 
     @classmethod
     def encode(
-        cls, src: Sequence[str], tgt: Sequence[str], src_tok: BPE, tgt_tok: BPE, max_len: int = 0
+        cls, src: Sequence[str], tgt: Sequence[str], src_tok: BPE, tgt_tok: BPE, max_len: int = 0, read: int = 0
     ) -> ParallelIds:
         """Tokenise; with max_len > 0, drop pairs longer than max_len tokens on either side (`rows`:
-        the indices of the pairs kept; a line far longer than max_len is cut before it is tokenised,
-        `BPE.encode_batch`)."""
-        src_ids, tgt_ids = src_tok.encode_batch(src, max_len), tgt_tok.encode_batch(tgt, max_len)
+        the indices of the pairs kept). A line far longer than max_len pieces, or than `read`, the
+        most pieces of a line its readers use where max_len is 0, is cut before it is tokenised
+        (`BPE.encode_batch`)."""
+        cut = max_len or read
+        src_ids, tgt_ids = src_tok.encode_batch(src, cut), tgt_tok.encode_batch(tgt, cut)
         keep = list(range(len(src_ids)))
         if max_len:
             keep = [i for i in keep if len(src_ids[i]) <= max_len and len(tgt_ids[i]) <= max_len]

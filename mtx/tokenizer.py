@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import tokenizers
@@ -69,13 +69,15 @@ class BPE:
     def head(self, text: str, pieces: int) -> str:
         """The start of `text` that holds at least its first `pieces` pieces, as tokenised whole.
 
-        A piece spells at most `_longest_piece` bytes, so the first `pieces` x that many characters
-        hold at least `pieces` pieces. The cut is made at the first space after them that follows
-        a letter or digit: the pre-tokenizer splits there and NFC composes nothing across it, so
-        the words before it keep their pieces. A word with no such space within 4 times that
-        length (a 32 MB run of letters) is cut inside, which can change its pieces near the cut,
-        at least 3 x that length past the pieces asked for."""
-        enough = pieces * self._longest_piece
+        A piece spells at most `_longest_piece` bytes of the NFC text, and NFC makes at most 4
+        characters one (a letter and three marks it composes with; stop 65: a decomposed line, cut
+        at a count of its characters, held two thirds of the pieces asked for), so the first
+        `4 x pieces x _longest_piece` characters hold at least `pieces` pieces. The cut is made at
+        the first space after them that follows a letter or digit: the pre-tokenizer splits there
+        and NFC composes nothing across it, so the words before it keep their pieces. A word with
+        no such space within 4 times that length (a 32 MB run of letters, not a sentence) is cut
+        inside; BPE's pieces of a word can depend on all of it, so those read may then differ."""
+        enough = 4 * pieces * self._longest_piece
         if len(text) <= enough:
             return text
         end = 4 * enough
@@ -128,6 +130,11 @@ class BPE:
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
 
 
+# a line longer is left out of BPE training (stop 65: one of 1 MB trained for minutes, and Ctrl-C waited
+# for it); Multi30k's longest is 257 characters
+BPE_LONGEST_LINE = 20_000
+
+
 def train_bpe(texts: Iterable[str], cfg: TokenizerConfig, lang: str = "") -> BPE:
     """Train byte-level BPE with NFC normalisation and the four mtx special tokens (`lang`: the
     language its log lines name, for one of two separate vocabularies)."""
@@ -143,7 +150,25 @@ def train_bpe(texts: Iterable[str], cfg: TokenizerConfig, lang: str = "") -> BPE
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    long = 0
+
+    def sentences() -> Iterator[str]:
+        nonlocal long
+        for text in texts:
+            if len(text) <= BPE_LONGEST_LINE:
+                yield text
+            else:
+                long += 1
+
+    tokenizer.train_from_iterator(sentences(), trainer=trainer)
+    if long:
+        log.warning(
+            "%d training line(s)%s longer than %d characters left out of BPE training: a run of text that long "
+            "is no sentence (a file's lines joined?), and its merges took time that grows with the square of it",
+            long,
+            of,
+            BPE_LONGEST_LINE,
+        )
     if tokenizer.get_vocab_size() < cfg.vocab_size:
         log.warning(
             "trained BPE%s: %d pieces, fewer than tokenizer.vocab_size=%d (the training text has no more merges "

@@ -861,7 +861,10 @@ class Trainer:
         if ranks.is_main:
             warn_unless_nfc(self.valid_refs, f"{cfg.data.valid_split}.{cfg.data.tgt_lang}")
             warn_of_invisible_ends(self.valid_refs, str(ref_file))
-        self.valid_ids = ParallelIds.encode(valid_src[:n_val], valid_tgt[:n_val], self.src_tok, self.tgt_tok)
+        # a val line beyond the positions is cut before tokenising (stop 65: a 32 MB line took 4.2 GB)
+        self.valid_ids = ParallelIds.encode(
+            valid_src[:n_val], valid_tgt[:n_val], self.src_tok, self.tgt_tok, read=cfg.model.max_positions - 1
+        )
         # the val loss is over the pairs the model's positions hold (EOS or BOS added to each side);
         # BLEU is over all of them, longer sources truncated as `mtx translate` does
         longest = np.maximum(self.valid_ids.src_lens, self.valid_ids.tgt_lens)  # EOS / BOS included
@@ -1716,6 +1719,13 @@ class Trainer:
                     f"(train.batch_tokens={tc.batch_tokens}); lower train.batch_tokens (raising "
                     f"train.accum_steps keeps an update's tokens); {kept or 'no last.pt was saved yet'}. "
                     f"Resume with: {self._resume_command()} --set train.batch_tokens=N"
+                    # (stop 65: unsaid, and the position just saved was lost to it)
+                    + (
+                        f" (a new batch size makes a new plan of batches: the run goes on from epoch {st.epoch + 1}, "
+                        f"the rest of epoch {st.epoch} not trained on)"
+                        if st.batch
+                        else ""
+                    )
                 ) from None
             if self.ranks.world_size > 1 and _peer_lost(e):
                 # (stop 62: rank 0 printed gloo's 28-line traceback, and nothing on what was kept)

@@ -92,7 +92,8 @@ def split_batches(
     )
     if sentences:
         src = src[:sentences]
-    ids = within_positions(run.src_tok.encode_batch(src), run.model)  # as `mtx eval` (stop 55: a traceback)
+    # as `mtx eval` reads them (stop 55: a traceback)
+    ids = within_positions(run.src_tok.encode_batch(src, run.model.cfg.max_positions - 1), run.model)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     return len(ids), [[ids[i] for i in order[j : j + batch_sentences]] for j in range(0, len(order), batch_sentences)]
 

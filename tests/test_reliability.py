@@ -913,9 +913,11 @@ def test_out_of_memory_in_a_training_step_or_a_decode_is_one_line(
     lines = [line for line in err.splitlines() if line.startswith("mtx: error:")]
     assert "Traceback" not in err and len(lines) == 1, err
     assert "out of memory on cpu after step 13 (train.batch_tokens=1500)" in lines[0]
-    assert "last.pt saved at step 13" in lines[0] and "--resume --set train.batch_tokens=N" in lines[0]
+    assert "last.pt saved at step 13" in lines[0] and "--resume --set train.batch_tokens=N (a new batch" in lines[0]
     assert "out of memory" in (failed / "train.log").read_text().splitlines()[-1]
     saved = load_weights_only(failed / "checkpoints" / "last.pt")
+    saved_epoch = saved["state"]["epoch"]
+    assert lines[0].endswith(f"goes on from epoch {saved_epoch + 1}, the rest of epoch {saved_epoch} not trained on)")
     assert saved["step"] == 13 and saved["state"]["batch"] > 0  # inside an epoch
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
     assert main(["train", "--run-dir", str(failed), "--resume"]) == 0

@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import random
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,13 @@ def test_a_long_line_is_cut_before_tokenising_and_keeps_the_pieces_read(shared_d
             assert ids == full[: len(ids)]
     kept = ParallelIds.encode(long_lines + val_src[:5], long_lines + val_tgt[:5], tok, tok, max_len=40)
     assert kept.rows == list(range(len(long_lines), len(long_lines) + 5))
+    # decomposed text, which NFC makes shorter, over pieces of composed letters (stop 65: a cut
+    # counted in characters held two thirds of the pieces asked for)
+    word = "\u01fa" * 16 + "A"  # Ǻ x 16: decomposed, A + ring + acute x 16
+    tok = train_bpe([" ".join([word] * 20)] * 200, TokenizerConfig(vocab_size=300))
+    text = " ".join([unicodedata.normalize("NFD", word)] * 1000)
+    whole, cut = tok.encode_batch([text])[0], tok.encode_batch([text], 159)[0]
+    assert len(whole) == 1000 and 159 < len(cut) < 1000 and cut == whole[: len(cut)]
 
 
 def test_the_exported_tokenizers_read_and_write_a_line_as_mtx_does(tiny_run: Path, small_data: Path) -> None:
@@ -187,3 +195,14 @@ def test_the_exported_tokenizers_read_and_write_a_line_as_mtx_does(tiny_run: Pat
         rng.shuffle(ids)
         assert target.decode(ids).strip() == tok.decode_batch([ids])[0]
     assert target.encode("Ein </s> Mann", add_special_tokens=False).ids[1] == EOS  # the target's specials stay special
+
+
+def test_a_line_too_long_for_a_sentence_is_left_out_of_bpe_training(caplog: pytest.LogCaptureFixture) -> None:
+    """A 1 MB line trained BPE for minutes, its merges' cost growing with its square, and Ctrl-C
+    waited for them (stop 65)."""
+    lines = ["Ein Mann fährt Fahrrad.", "Zwei Hunde spielen im Schnee."] * 20
+    cfg = TokenizerConfig(vocab_size=300, min_frequency=1)
+    with caplog.at_level(logging.WARNING):
+        tok = train_bpe([*lines, "Fahrrad" * 3_000], cfg, "de")
+    assert tok.tokenizer.get_vocab() == train_bpe(lines, cfg).tokenizer.get_vocab()
+    assert "1 training line(s) of de longer than 20000 characters left out of BPE training" in caplog.text
