@@ -181,6 +181,13 @@ def clean_line(text: str) -> str:
     return text[start:end]
 
 
+def scored_text(refs: Sequence[str]) -> list[str]:
+    """References as far as a score can tell them apart: their whitespace ends go, which
+    sacreBLEU's tokenizers and chrF drop; invisible characters at the ends stay (they change the
+    score). For the digests that keep scores on different references apart."""
+    return [ref.strip() for ref in refs]
+
+
 def stripped(char: str) -> bool:
     """Whether `clean_line` drops `char` at a line's ends: whitespace or `_invisible`."""
     return char.isspace() or _invisible(char)

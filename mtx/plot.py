@@ -106,7 +106,7 @@ def _validation_data(run_dir: Path) -> _ValData | None:
     alone, two runs on different val files of one name looked alike, and `eval_sentences` 0 and
     100 on a val split of 100 looked different.)"""
     from mtx.config import load_run_config
-    from mtx.data import read_parallel, split_file
+    from mtx.data import read_parallel, scored_text, split_file
 
     try:
         cfg = load_run_config(run_dir)
@@ -121,7 +121,7 @@ def _validation_data(run_dir: Path) -> _ValData | None:
         src, tgt = read_parallel(*files, as_scored=True)  # (stop 65: cleaned, invisible ends that move BLEU were lost)
     except (MtxError, OSError):
         return _ValData(direction, data.valid_split, n, f"{n or 'all'}", None)
-    pairs = list(zip(src, tgt, strict=True))[: n or None]
+    pairs = list(zip(src, scored_text(tgt), strict=True))[: n or None]
     digest = hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:8]
     return _ValData(direction, data.valid_split, n, str(len(pairs)), digest)
 

@@ -130,8 +130,9 @@ class BPE:
             raise CheckpointError(f"{path}: cannot load tokenizer ({e})") from None
 
 
-# a line longer is left out of BPE training (stop 65: one of 1 MB trained for minutes, and Ctrl-C waited
-# for it); Multi30k's longest is 257 characters
+# a line longer is left out of BPE training (stop 65: a word of 1 MB trained for minutes, and Ctrl-C
+# waited for it; the merges' time grows with the square of a word's length); Multi30k's longest line
+# is 257 characters
 BPE_LONGEST_LINE = 20_000
 
 
@@ -164,7 +165,8 @@ def train_bpe(texts: Iterable[str], cfg: TokenizerConfig, lang: str = "") -> BPE
     if long:
         log.warning(
             "%d training line(s)%s longer than %d characters left out of BPE training: a run of text that long "
-            "is no sentence (a file's lines joined?), and its merges took time that grows with the square of it",
+            "is no sentence (a file's lines joined?), and a long word in it trains for minutes (the merges' time "
+            "grows with the square of a word's length)",
             long,
             of,
             BPE_LONGEST_LINE,

@@ -53,6 +53,7 @@ from mtx.data import (
     plan_batches,
     read_lines,
     resolve_data_dir,
+    scored_text,
     split_file,
     texts,
     warn_if_validating_on_train,
@@ -870,9 +871,11 @@ class Trainer:
         longest = np.maximum(self.valid_ids.src_lens, self.valid_ids.tgt_lens)  # EOS / BOS included
         self.valid_loss_rows = np.flatnonzero(longest <= cfg.model.max_positions)
         if not len(self.valid_loss_rows):
+            shortest = int(np.argmin(longest))  # tokenised whole here: the val set's lines were cut (stop 65)
+            whole = ParallelIds.encode([valid_src[shortest]], [valid_tgt[shortest]], self.src_tok, self.tgt_tok)
             raise MtxError(
                 f"every val pair is longer than model.max_positions ({cfg.model.max_positions}) allows "
-                f"(the shortest needs {int(longest.min())} positions); raise model.max_positions"
+                f"(the shortest needs {max(whole.src_lens[0], whole.tgt_lens[0])} positions); raise model.max_positions"
             )
         if len(self.valid_loss_rows) < len(self.valid_ids) and ranks.is_main:
             log.warning(
@@ -1136,15 +1139,9 @@ class Trainer:
             st, old = self.state, self.state.world_size
             st.batch, st.world_size = -(-st.batch * old // self.ranks.world_size), self.ranks.world_size
             log.info("the run was trained on %d rank(s), continues on %d", old, self.ranks.world_size)
-        saved, now, st, tc = ckpt["config"], to_dict(self.cfg), self.state, self.cfg.train
-        # a key that an older mtx's last.pt lacks trained as its default (stop 64: every run saved
-        # before data.extra_src_langs went on from the next epoch, "data.extra_src_langs changed")
-        default = to_dict(Config())
-        changed = [
-            f"{section}.{key}"
-            for section, key in _PLAN_KEYS
-            if saved.get(section, {}).get(key, default[section][key]) != now[section][key]
-        ]
+        saved, st, tc = ckpt["config"], self.state, self.cfg.train
+        changes = config_changes(saved, self.cfg)
+        changed = [f"{section}.{key}" for section, key in _PLAN_KEYS if f"{section}.{key}" in changes]
         if ckpt.get("data_digest", self.data_digest) != self.data_digest:  # (stop 54: went on at the old position)
             changed.append("the training data")
         if self.synthetic is not None and not tc.diversify:  # (stop 53: they stayed in every later epoch)
@@ -1179,7 +1176,7 @@ class Trainer:
             st.epoch, st.batch = st.epoch + 1, 0
         self.saved_step = self.state.step
         if self.ranks.is_main:  # (stop 65: only the Adam settings were logged; config.yaml holds the new values only)
-            for key, old, new in config_changes(saved, self.cfg):
+            for key, (old, new) in changes.items():
                 log.info("%s: %r until step %d, %r from now on", key, old, self.state.step, new)
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)", path, self.state.step, self.state.epoch, self.state.batch
@@ -1708,24 +1705,24 @@ class Trainer:
             if out_of_memory(e):
                 # (stop 63: a batch too large for the device was a 30-line traceback, with no word
                 # on what to lower; one can come thousands of steps in, as batches differ in length)
+                after = ""
                 if before is not None and not self.updating:
                     st.window_seconds += time.perf_counter() - window_start
                     e.__traceback__ = None  # the failed step's tensors go before last.pt is written
                     kept = self._save_before_step(*before)
+                    if self.saved_step == st.step:  # inside epoch st.epoch: a new plan skips its rest
+                        # (stop 65: unsaid, and the position just saved was lost to it)
+                        after = (
+                            f" (a new batch size makes a new plan of batches: the run goes on from epoch "
+                            f"{st.epoch + 1}, the rest of epoch {st.epoch} not trained on)"
+                        )
                 else:
                     kept = f"last.pt from step {self.saved_step} is kept" if self.saved_step is not None else ""
                 raise MtxError(
                     f"out of memory on {self.device} after step {st.step} "
                     f"(train.batch_tokens={tc.batch_tokens}); lower train.batch_tokens (raising "
                     f"train.accum_steps keeps an update's tokens); {kept or 'no last.pt was saved yet'}. "
-                    f"Resume with: {self._resume_command()} --set train.batch_tokens=N"
-                    # (stop 65: unsaid, and the position just saved was lost to it)
-                    + (
-                        f" (a new batch size makes a new plan of batches: the run goes on from epoch {st.epoch + 1}, "
-                        f"the rest of epoch {st.epoch} not trained on)"
-                        if st.batch
-                        else ""
-                    )
+                    f"Resume with: {self._resume_command()} --set train.batch_tokens=N{after}"
                 ) from None
             if self.ranks.world_size > 1 and _peer_lost(e):
                 # (stop 62: rank 0 printed gloo's 28-line traceback, and nothing on what was kept)
@@ -1757,7 +1754,7 @@ class Trainer:
         ramp that falls, and a budget fraction (train.schedule linear, the phases) counted of
         train.max_steps in a run that train.max_epochs ends first. The epochs' length is that of
         the longest epoch these settings make (the model's translations taken as long as train
-        both ways until they are made), so the step is an estimate from above."""
+        both ways until they are made), without BPE-dropout's longer segmentations: an estimate."""
         tc, st = self.cfg.train, self.state
         final = self.cfg.model.dropout
         if tc.dropout_warmup > 1 and tc.dropout_start > final and st.step < tc.dropout_warmup:
@@ -1980,11 +1977,12 @@ def val_digest(cfg: Config, valid_src: Sequence[str], valid_tgt: Sequence[str], 
     """A short hash of the val pairs that val BLEU is scored on (the first `train.eval_sentences`),
     stored in the run's checkpoints: a resume on other val pairs would compare their BLEU with
     best.pt's, scored on the old ones. The references count as they are scored (`valid_refs`,
-    `read_lines(as_scored=True)`) where that is not as the model reads them (stop 65: references
-    that differed in invisible ends alone, which move BLEU, passed as the same; where they are the
-    same, the hash is that of the runs before)."""
+    `read_lines(as_scored=True)`; their whitespace ends aside, which sacreBLEU's tokenizers drop)
+    where that is not as the model reads them (stop 65: references that differed in invisible ends
+    alone, which move BLEU, passed as the same; where they are the same, the hash is that of the
+    runs before: Multi30k's val.fr has lines that start with a space)."""
     n_val = cfg.train.eval_sentences or len(valid_src)
-    src, tgt, refs = valid_src[:n_val], valid_tgt[:n_val], list(valid_refs[:n_val])
+    src, tgt, refs = valid_src[:n_val], valid_tgt[:n_val], scored_text(valid_refs[:n_val])
     return data_digest(src, tgt) if refs == list(tgt) else data_digest(src, tgt, refs)
 
 
@@ -2146,17 +2144,18 @@ _FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer st
 }
 
 
-def config_changes(saved: dict[str, Any], cfg: Config) -> list[tuple[str, Any, Any]]:
-    """(dotted key, its value in last.pt's config `saved`, its value in `cfg`) for every key that a
+def config_changes(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (its value in last.pt's config `saved`, its value in `cfg`) for every key that a
     resume changes, in the config's order: the run trained with the old values up to the resume.
-    A key that an older mtx's last.pt lacks trained as its default."""
+    A key that an older mtx's last.pt lacks trained as its default (stop 64: every run saved
+    before data.extra_src_langs went on from the next epoch, "data.extra_src_langs changed")."""
     default = to_dict(Config())
-    return [
-        (f"{section}.{key}", old, value)
+    return {
+        f"{section}.{key}": (old, value)
         for section, values in to_dict(cfg).items()
         for key, value in values.items()
         if (old := saved.get(section, {}).get(key, default[section][key])) != value
-    ]
+    }
 
 
 def _check_resumable(last: dict[str, Any], path: Path) -> None:

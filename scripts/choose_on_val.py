@@ -162,8 +162,8 @@ def main() -> None:
 
 def choose(args: argparse.Namespace) -> None:
     ckpts = checkpoint_dir(args.run)
-    if args.apply:  # refused now rather than after minutes of decoding
-        check_best_changeable(args.run)
+    if args.apply and args.run.is_dir():  # refused now rather than after minutes of decoding (load_run
+        check_best_changeable(args.run)  # says where the run directory is none)
     single = best_single(args.run)
     # a run stopped before its first validation has no best.pt: start from last.pt, as eval does
     start_name = "best single" if single.is_file() else "last checkpoint"

@@ -946,6 +946,7 @@ def test_out_of_memory_in_a_training_step_or_a_decode_is_one_line(
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("mtx: error:")]
     assert len(lines) == 1 and "after step 11 " in lines[0] and "last.pt from step 10 is kept" in lines[0], err
+    assert "a new batch size" not in lines[0]  # last.pt's position is not this step's
     assert load_weights_only(half / "checkpoints" / "last.pt")["step"] == 10
 
     def no_memory(*args: object, **kwargs: object) -> None:

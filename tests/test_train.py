@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from mtx import train as train_module
 from mtx.cli import main
-from mtx.config import ModelConfig, TrainConfig
+from mtx.config import Config, ModelConfig, TrainConfig
 from mtx.data import Batch
 from mtx.errors import MtxError
 from mtx.model import Dropout, FeedForward, Seq2Seq, dropout
@@ -902,3 +902,14 @@ def test_progress_bar_time_left_ends_with_the_time_budget() -> None:
     bar = progress_bar(lambda: -5.0, total=2**50, **options)  # the budget used: never a negative time
     bar.update(1)
     assert "<00:00, " in str(bar), str(bar)
+
+
+def test_the_val_digest_tells_apart_references_that_score_differently() -> None:
+    """Invisible ends move BLEU and count (stop 65: they passed as the same val data); whitespace
+    ends do not, and keep the digest runs saved before (Multi30k's val.fr has lines that start
+    with a space: a first fix refused the resume of every en->fr run)."""
+    src, tgt = ["Ein Hund.", "Zwei Hunde."], ["A dog.", "Two dogs."]
+    plain = train_module.val_digest(Config(), src, tgt, tgt)
+    assert plain == train_module.data_digest(src, tgt)
+    assert train_module.val_digest(Config(), src, tgt, [" A dog.", "Two dogs.\u00a0 "]) == plain
+    assert train_module.val_digest(Config(), src, tgt, ["A dog.\u200b", "Two dogs."]) != plain
