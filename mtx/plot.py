@@ -12,6 +12,7 @@ import hashlib
 import io
 import itertools
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from mtx.errors import MtxError, import_failed, named_os_errors, not_found
+
+log = logging.getLogger(__name__)
 
 X_AXES = ("step", "time")
 
@@ -126,6 +129,23 @@ def _validation_data(run_dir: Path) -> _ValData | None:
     return _ValData(direction, data.valid_split, n, str(len(pairs)), digest)
 
 
+def different_data(labels: Sequence[str], run_dirs: Sequence[Path]) -> str | None:
+    """ "the runs validate on different data (...): their scores do not compare", or None where
+    they validate on the same."""
+    data = {label: _validation_data(run_dir) for label, run_dir in zip(labels, run_dirs, strict=True)}
+    known = [d for d in data.values() if d is not None]
+    # where every run's val files were read, the sentences decide; else what the configs say
+    by_digest = all(d.digest for d in known)
+    if len({(d.direction, d.digest) if by_digest else (d.direction, d.split, d.asked) for d in known}) < 2:
+        return None
+    described = "; ".join(
+        f"{label}: {d.direction}, {d.split} ({d.sentences} sentences{f', digest {d.digest}' if d.digest else ''})"
+        for label, d in data.items()
+        if d
+    )
+    return f"the runs validate on different data ({described}): their scores do not compare"
+
+
 def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     """Write an image (PNG unless `out`'s suffix names another type) with train/val loss, val
     BLEU and learning rate of each run against update steps (`x="step"`) or minutes of training
@@ -148,15 +168,18 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
         return [e["step"] if x == "step" else e["elapsed_s"] / 60 for e in events]
 
     labels = run_labels(run_dirs)
+    if len(run_dirs) > 1 and (different := different_data(labels, run_dirs)):  # (stop 65: compare said it, plot not)
+        log.warning("%s", different)
     fig, (ax_loss, ax_bleu, ax_lr) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     for i, (label, (_, train, valid)) in enumerate(zip(labels, runs, strict=True)):
         color = f"C{i % 10}"
         name = "" if len(runs) == 1 else f"{label}: "
         train_label = f"{name}train loss (label-smoothed)"
-        ax_loss.plot(xs(train), [e["loss"] for e in train], color=color, alpha=0.5, label=train_label)
+        one = "." if len(train) == 1 else None  # a line of one point is not drawn (stop 65: blank panels)
+        ax_loss.plot(xs(train), [e["loss"] for e in train], color=color, alpha=0.5, label=train_label, marker=one)
         ax_loss.plot(xs(valid), [e["val_loss"] for e in valid], "o-", color=color, ms=3, label=f"{name}val loss")
         ax_bleu.plot(xs(valid), [e["val_bleu"] for e in valid], "o-", color=color, ms=3, label=label)
-        ax_lr.plot(xs(train), [e["lr"] for e in train], color=color)
+        ax_lr.plot(xs(train), [e["lr"] for e in train], color=color, marker=one)
     ax_loss.set_ylabel("loss per target token")
     ax_loss.legend(fontsize="small")
     ax_bleu.set_ylabel("val BLEU (greedy)")
@@ -279,15 +302,7 @@ def compare_runs(run_dirs: Sequence[Path]) -> list[str]:
     title = "val loss / greedy val BLEU at each validation of the first run; min: minutes of training"
     # another run without one yet shows "-" (stop 65: the whole table was refused)
     notes = [f"note: {label} has no validation yet" for label, valid in zip(labels, valids, strict=True) if not valid]
-    data = {label: _validation_data(run_dir) for label, run_dir in zip(labels, run_dirs, strict=True)}
-    known = [d for d in data.values() if d is not None]
-    # where every run's val files were read, the sentences decide; else what the configs say
-    by_digest = all(d.digest for d in known)
-    if len({(d.direction, d.digest) if by_digest else (d.direction, d.split, d.asked) for d in known}) > 1:
-        described = "; ".join(
-            f"{label}: {d.direction}, {d.split} ({d.sentences} sentences{f', digest {d.digest}' if d.digest else ''})"
-            for label, d in data.items()
-            if d
-        )
-        notes.append(f"note: the runs validate on different data ({described}): their scores do not compare")
+    different = different_data(labels, run_dirs)
+    if different:
+        notes.append(f"note: {different}")
     return [title, *notes] + ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]

@@ -1593,6 +1593,14 @@ class Trainer:
             len(self.valid_ids),
             100 * pad,
         )
+        if tc.bidirectional and budget_used(self.state.step, tc, self.state.elapsed) < tc.bidirectional:
+            log.info(  # (stop 65: the log said 29,000 pairs, and nothing of the reversed ones before the phase ended)
+                "train.bidirectional=%g: epochs train %s->%s too, twice the pairs, until %g of the budget is used",
+                tc.bidirectional,
+                self.cfg.data.tgt_lang,
+                self.cfg.data.src_lang,
+                tc.bidirectional,
+            )
         if (
             tc.amp == "bf16" and self.amp == torch.bfloat16 and (how := slow_bf16(self.device))
         ):  # (stop 57: 9.5x, Zen 3)

@@ -556,6 +556,9 @@ def test_compare_tells_apart_runs_of_one_name_and_says_when_their_val_data_diffe
         "(100 sentences)): their scores do not compare"
     )
     assert lines[2].split()[2:5] == ["a/base", "b/base", "(same"]
+    # plot draws their BLEU on one axis: it says so too (stop 65: compare alone did)
+    assert main(["plot", "--run", str(first), "--run", str(second), "--out", str(tmp_path / "ab.png")]) == 0
+    assert "the runs validate on different data (a/base: de->en" in capsys.readouterr().err
     # a run given through a link is named as given (stop 61: by its target's name, `base` twice)
     (tmp_path / "linked").symlink_to(first)
     assert run_labels([first, tmp_path / "linked"]) == ["base", "linked"]

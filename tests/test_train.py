@@ -507,6 +507,9 @@ def test_a_phases_end_line_gives_the_share_of_the_budget_used(tmp_path: Path, mi
         (run / "train.log").read_text(),
     )
     assert line is not None and float(line[1]) == round(int(line[2]) / 20, 2) > 0.3
+    # and the start says the first epochs train both ways (stop 65: "N training pairs" alone)
+    start = "train.bidirectional=0.3: epochs train en->de too, twice the pairs, until 0.3 of the budget is used"
+    assert start in (run / "train.log").read_text()
 
 
 def test_settings_that_train_otherwise_than_they_read_are_warned_of(tmp_path: Path, mini_data: Path) -> None:
