@@ -130,8 +130,8 @@ def _validation_data(run_dir: Path) -> _ValData | None:
 
 
 def different_data(labels: Sequence[str], run_dirs: Sequence[Path]) -> str | None:
-    """ "the runs validate on different data (...): their scores do not compare", or None where
-    they validate on the same."""
+    """The note that the runs validate on different data, whose scores do not compare (`compare`,
+    `plot`), or None where they validate on the same."""
     data = {label: _validation_data(run_dir) for label, run_dir in zip(labels, run_dirs, strict=True)}
     known = [d for d in data.values() if d is not None]
     # where every run's val files were read, the sentences decide; else what the configs say
