@@ -132,7 +132,7 @@ class BPE:
 
 # a line longer is left out of BPE training (stop 65: a word of 1 MB trained for minutes, and Ctrl-C
 # waited for it; the merges' time grows with the square of a word's length); Multi30k's longest line
-# is 257 characters
+# is 254 characters (257 bytes)
 BPE_LONGEST_LINE = 20_000
 
 
