@@ -838,6 +838,8 @@ class Trainer:
         self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
         self.setup_seconds = 0.0  # of epochs' setup since the fit loop last took it (`_micro_batches`)
         self.updating = False  # inside a step's optimizer update (`train_step`): the weights are half-new
+        # the directory itself, wherever it is moved (rank 0 writes; another machine's ranks may not see it)
+        self.run_dir_id = (os.stat(run_dir).st_dev, os.stat(run_dir).st_ino) if ranks.is_main else (-1, -1)
         if ranks.is_main:
             warn_if_validating_on_train(cfg.data)
         if is_test_split(cfg.data.train_split) and ranks.is_main:  # (stop 61: not a word)
@@ -1030,6 +1032,7 @@ class Trainer:
         others wait, so that none exits (and torchrun stops the job) while last.pt is written."""
         rng_per_rank = self._rng_states()
         if self.ranks.is_main:
+            self._follow_run_dir()
             payload = self._payload(full=True)
             if rng_per_rank is not None:
                 payload["rng_per_rank"] = rng_per_rank
@@ -1201,7 +1204,29 @@ class Trainer:
                 kept.append(line + "\n")  # (a line without a numeric step goes, like a torn one)
         ckpt_io.atomic_write_text(path, "".join(kept))
 
+    def _follow_run_dir(self) -> None:
+        """Where the run directory was moved (renamed) while training, save in its new place from
+        now on (stop 65: the next save made the old path again, with checkpoints alone, and the
+        moved directory's last.pt stayed behind). Found through this process's open handle on
+        the directory (`mtx train` holds its lock), where the system names it (Linux's /proc);
+        otherwise, or where it was removed, an error."""
+        try:
+            now = os.stat(self.run_dir)
+            if (now.st_dev, now.st_ino) == self.run_dir_id:
+                return
+        except OSError:
+            pass
+        moved = open_directory(self.run_dir_id)
+        if moved is None:
+            raise MtxError(
+                f"{self.run_dir}: the run directory was removed or replaced while training, and where it went "
+                f"cannot be found; its last.pt is from step {self.saved_step}"
+            )
+        log.warning("%s was moved to %s while training: the run is saved there from now on", self.run_dir, moved)
+        self.run_dir = moved
+
     def _save_step_and_best(self, bleu: float) -> None:
+        self._follow_run_dir()
         ckpts = ckpt_io.checkpoint_dir(self.run_dir)
         payload = self._payload(full=False)
         keep = self.cfg.train.keep_last
@@ -2274,6 +2299,25 @@ class _HeldWarnings(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
+
+
+def open_directory(identity: tuple[int, int]) -> Path | None:
+    """The path of a directory this process holds open, by its (device, inode), where the system
+    says it (Linux's /proc/self/fd); None where it does not, or the directory was removed."""
+    try:
+        handles = list(Path("/proc/self/fd").iterdir())
+    except OSError:
+        return None
+    for handle in handles:
+        try:
+            found = os.stat(handle)  # what the handle is open on
+            if (found.st_dev, found.st_ino) == identity and os.path.isdir(handle):
+                target = os.readlink(handle)
+                if not target.endswith(" (deleted)") and os.path.isdir(target):
+                    return Path(target)
+        except OSError:
+            continue
+    return None
 
 
 class RunLog(logging.FileHandler):

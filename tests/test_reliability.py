@@ -755,6 +755,45 @@ def test_stop_signal_saves_and_tells_how_to_resume(tmp_path: Path, mini_data: Pa
     assert load_weights_only(run_dir / "checkpoints" / "last.pt")["step"] == step + 3
 
 
+def test_a_run_directory_moved_while_training_is_saved_in_its_new_place(tmp_path: Path, mini_data: Path) -> None:
+    """The next save made the old path again, with checkpoints alone, and the moved directory's
+    last.pt stayed at the step of the move (stop 65)."""
+    run_dir, moved = tmp_path / "run", tmp_path / "moved"
+    # saves at steps 10, 20, ...: the move at step 3 or so does not race one being written
+    args = mini_args(mini_data, run_dir, "--set", "train.max_steps=100000", "--set", "train.eval_every=10")
+    proc = start(tmp_path / "stderr", *args)
+    try:
+        wait_for(lambda: train_lines(run_dir) >= 3, proc)
+        run_dir.rename(moved)
+        at_move = load_weights_only(moved / "checkpoints" / "last.pt")["step"]
+        wait_for(lambda: load_weights_only(moved / "checkpoints" / "last.pt")["step"] >= at_move + 4, proc)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    err = (tmp_path / "stderr").read_text()
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+    assert f"{run_dir} was moved to {moved} while training: the run is saved there from now on" in err
+    assert not run_dir.exists()
+    step = load_weights_only(moved / "checkpoints" / "last.pt")["step"]
+    last_line = err.rstrip().splitlines()[-1]
+    assert f"at step {step}; checkpoint saved. Resume with: " in last_line and str(moved) in last_line
+    assert main(["train", "--run-dir", str(moved), "--resume", "--set", f"train.max_steps={step + 1}"]) == 0
+    # removed: a one-line error at the next save, and no directory made again at its path
+    gone = tmp_path / "gone"
+    # (no save between step 3 and 20: rmtree does not race a checkpoint being written)
+    proc = start(tmp_path / "stderr_gone", *mini_args(mini_data, gone, "--set", "train.eval_every=20"))
+    try:
+        wait_for(lambda: train_lines(gone) >= 3, proc)
+        shutil.rmtree(gone)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    err = (tmp_path / "stderr_gone").read_text()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert f"mtx: error: {gone}: the run directory was removed or replaced while training" in err.splitlines()[-1]
+    assert not gone.exists()
+
+
 def test_signals_ignored_at_start_stay_ignored(tmp_path: Path, mini_data: Path) -> None:
     """`nohup mtx train ... &` saved and stopped when its terminal closed (SIGHUP), and a shell
     script's background job on Ctrl-C (SIGINT): mtx took over the signals those ignore (stop 62)."""
