@@ -1738,23 +1738,27 @@ class Trainer:
             if out_of_memory(e):
                 # (stop 63: a batch too large for the device was a 30-line traceback, with no word
                 # on what to lower; one can come thousands of steps in, as batches differ in length)
-                after = ""
+                after, saved = "", False
                 if before is not None and not self.updating:
                     st.window_seconds += time.perf_counter() - window_start
                     e.__traceback__ = None  # the failed step's tensors go before last.pt is written
-                    kept = self._save_before_step(*before)
+                    saved = self._save_before_step(*before)
                     if self.saved_step == st.step:  # inside epoch st.epoch: a new plan skips its rest
                         # (stop 65: unsaid, and the position just saved was lost to it)
                         after = (
                             f" (a new batch size makes a new plan of batches: the run goes on from epoch "
                             f"{st.epoch + 1}, the rest of epoch {st.epoch} not trained on)"
                         )
+                if saved:
+                    kept = f"last.pt saved at step {st.step}"
+                elif self.saved_step is not None:
+                    kept = f"last.pt from step {self.saved_step} is kept"
                 else:
-                    kept = f"last.pt from step {self.saved_step} is kept" if self.saved_step is not None else ""
+                    kept = "no last.pt was saved yet"
                 raise MtxError(
                     f"out of memory on {self.device} after step {st.step} "
                     f"(train.batch_tokens={tc.batch_tokens}); lower train.batch_tokens (raising "
-                    f"train.accum_steps keeps an update's tokens); {kept or 'no last.pt was saved yet'}. "
+                    f"train.accum_steps keeps an update's tokens); {kept}. "
                     f"Resume with: {self._resume_command()} --set train.batch_tokens=N{after}"
                 ) from None
             if self.ranks.world_size > 1 and _peer_lost(e):
@@ -1833,11 +1837,11 @@ class Trainer:
                 " and ".join(effects),
             )
 
-    def _save_before_step(self, epoch: int, batch: int, rng: dict[str, Any]) -> str:
+    def _save_before_step(self, epoch: int, batch: int, rng: dict[str, Any]) -> bool:
         """After a step ran out of memory before its update: last.pt as it stood before the step,
         its batches and random states too, so that a resume with nothing changed goes on as if the
         step had not failed (stop 65: last.pt stayed at the last validation, up to
-        train.eval_every steps behind). What the returned text says is kept."""
+        train.eval_every steps behind). Whether it was saved (a failure is a warning)."""
         self.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         if self.device.type == "cuda":
@@ -1848,8 +1852,8 @@ class Trainer:
             self.save()
         except (MtxError, OSError, RuntimeError) as e:
             log.warning("could not save last.pt after running out of memory: %s", _first_line(e))
-            return f"last.pt from step {self.saved_step} is kept" if self.saved_step is not None else ""
-        return f"last.pt saved at step {self.state.step}"
+            return False
+        return True
 
     def _log_window(self, seconds: float, bar: Any, metrics: Any, partial: bool = False) -> bool:
         """Write the train record of the steps since the last one (their `seconds` of training) to
