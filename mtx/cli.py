@@ -394,7 +394,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.resume:  # (stop 64: a run made at RUN/checkpoints/step_80.pt stopped RUN's training at step 80)
         _check_parents("--run-dir", run_dir)  # (stop 64: "Not a directory" after torch's import)
         _not_a_runs_file(run_dir, f"--run-dir {run_dir}", "choose another --run-dir")
-    state = fit(cfg, run_dir, resume=args.resume)
+    # where the run directory was moved while training, the line names its new place (stop 66)
+    state, run_dir = fit(cfg, run_dir, resume=args.resume)
     if not Ranks.from_env().is_main:  # under torchrun only rank 0 reports
         return 0
     print(json.dumps({"run_dir": str(run_dir), "step": state.step, "best_val_bleu": round(state.best_bleu, 2)}))

@@ -2422,8 +2422,9 @@ def init_source(cfg: Config) -> tuple[Path, Path] | None:
     return run_dir, checkpoint
 
 
-def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
-    """Train the config into `run_dir` (resuming from its last.pt when asked).
+def fit(cfg: Config, run_dir: Path, resume: bool = False) -> tuple[TrainState, Path]:
+    """Train the config into `run_dir` (resuming from its last.pt when asked). Returns the final
+    state and where the run is now: `run_dir`, or its new place where it was moved while training.
 
     The run directory, device, precision and data are checked before anything is written.
     Under torchrun (WORLD_SIZE > 1) every process runs this with the same arguments and trains
@@ -2497,7 +2498,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> TrainState:
             finally:
                 stop.at_once = False
             try:
-                return trainer.fit(stop)
+                return trainer.fit(stop), trainer.run_dir
             finally:
                 # DDP's reducer holds the process group: free it (and any reference cycle through
                 # it) here, so the group's threads end inside destroy_process_group below and not at

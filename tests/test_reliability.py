@@ -794,6 +794,27 @@ def test_a_run_directory_moved_while_training_is_saved_in_its_new_place(tmp_path
     assert not gone.exists()
 
 
+def test_the_final_line_names_where_a_moved_run_directory_went(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run moved while training and finished there: `mtx train`'s JSON line named the path it
+    was started with, which no longer held the run (stop 66)."""
+    run_dir, moved = tmp_path / "run", tmp_path / "moved"
+    follow = train_module.Trainer._follow_run_dir
+
+    def move_at_step_10(trainer: train_module.Trainer) -> None:
+        if trainer.state.step == 10 and run_dir.exists():
+            run_dir.rename(moved)
+        follow(trainer)
+
+    monkeypatch.setattr(train_module.Trainer, "_follow_run_dir", move_at_step_10)
+    args = mini_args(mini_data, run_dir, "--set", "train.max_steps=20", "--set", "train.eval_every=10")
+    done = main_in_process(args, None, monkeypatch)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.decode().splitlines()[-1])["run_dir"] == str(moved)
+    assert not run_dir.exists() and load_weights_only(moved / "checkpoints" / "last.pt")["step"] == 20
+
+
 def test_signals_ignored_at_start_stay_ignored(tmp_path: Path, mini_data: Path) -> None:
     """`nohup mtx train ... &` saved and stopped when its terminal closed (SIGHUP), and a shell
     script's background job on Ctrl-C (SIGINT): mtx took over the signals those ignore (stop 62)."""
