@@ -473,6 +473,16 @@ def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, import
     return run
 
 
+def _names_a_file(text: str) -> bool:
+    """Whether `text` names an existing file; text that cannot be a path is not one (stop 66: a
+    sentence of over 255 bytes without a space, as Chinese or Japanese is written, was refused
+    with "File name too long")."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def cmd_translate(args: argparse.Namespace) -> int:
     texts = args.text
     from_stdin = not texts or texts == ["-"]
@@ -481,7 +491,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if not from_stdin and "-" in texts:  # (stop 64: `- -` was "mixed with TEXT arguments")
         what = "given twice" if set(texts) == {"-"} else "mixed with TEXT arguments"
         raise MtxError(f"'-' (read standard input) cannot be {what}")
-    if len(texts) == 1 and not from_stdin and " " not in texts[0] and Path(texts[0]).is_file():
+    if len(texts) == 1 and not from_stdin and " " not in texts[0] and _names_a_file(texts[0]):
         # (stop 64: `mtx translate notes.de` translated the file's name, as other tools' --input does not)
         log.warning(
             "TEXT %r names a file, but is translated as text; to translate the file, give it on standard input (< %s)",

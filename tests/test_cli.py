@@ -573,6 +573,9 @@ def test_translates_arguments_as_standard_input_is_read_and_says_what_it_guesses
     assert f"names a file, but is translated as text; to translate the file, give it on standard input (< {named})" in (
         r.stderr.decode()
     )
+    # a sentence of over 255 bytes without a space is text, not a name too long (stop 66)
+    unspaced = mtx_here(monkeypatch, *translate, "日本語の文章" * 20)
+    assert unspaced.returncode == 0 and len(unspaced.stdout.decode().splitlines()) == 1, unspaced.stderr
     assert_one_line_error(
         mtx_here(monkeypatch, *translate, "-", "-"), "'-' (read standard input) cannot be given twice"
     )
