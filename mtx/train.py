@@ -1493,7 +1493,11 @@ class Trainer:
         self.model.train()
         if tc.dropout_warmup:
             set_dropout(self.model, dropout_rate(self.state.step + 1, tc, self.cfg.model.dropout))
-        n_tokens = self._sum_over_ranks([sum(b.n_tgt_tokens for b in group)])[0]
+        # rank 0's training time too, for every rank: the linear schedule's rate reads it, and the
+        # ranks' clocks differ (stop 66: each rank set its own rate, and the replicas drifted apart)
+        own_elapsed = self.state.elapsed if self.ranks.is_main else 0.0
+        n_tokens, elapsed = self._sum_over_ranks([sum(b.n_tgt_tokens for b in group), own_elapsed])
+        self.state.elapsed = elapsed
         tokens_per_rank = n_tokens / world
         total = 0.0
         for i, batch in enumerate(group):

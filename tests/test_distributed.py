@@ -163,6 +163,49 @@ def test_two_ranks_take_the_single_process_step(tmp_path: Path, mini_data: Path)
     assert calls[-1] > 0 and calls[1:-1] == [calls[-1]] * (len(ACCUM) - 2), calls
 
 
+def clock_worker(rank: int, data_dir: Path, run_dir: Path, store: Path, out: Path) -> None:
+    """The linear schedule under a time budget, each rank's clock on its own training time."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        cfg = load_config(
+            TINY_CONFIG,
+            [
+                f"data.dir={data_dir}",
+                "train.amp=fp32",
+                "train.device=cpu",
+                "train.schedule=linear",
+                "train.warmup_steps=1",
+                "train.max_minutes=1",
+            ],
+        )
+        trainer = Trainer(cfg, run_dir, resume=False, ranks=Ranks(rank, rank, 2))
+        rates = []
+        for step in range(3):
+            trainer.state.elapsed = 6.0 * (step + 1) + 3.0 * rank  # rank 1's clock 3 s ahead
+            trainer.train_step(step_batches(trainer, step, rank, 2))
+            trainer.state.step += 1
+            rates.append(trainer.optimizer.param_groups[0]["lr"])
+        weights = [p.detach().clone() for p in trainer.model.parameters()]
+        torch.save({"rates": rates, "weights": weights}, out / f"clock{rank}.pt")
+        del trainer
+    finally:
+        destroy_after_freeing()
+
+
+def test_ranks_take_rank_0s_time_for_the_learning_rate(tmp_path: Path, mini_data: Path) -> None:
+    """The linear schedule under train.max_minutes read each rank's own clock: the ranks applied
+    different rates to the same gradient, and the replicas drifted apart (stop 66)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    mp.spawn(clock_worker, args=(mini_data, run_dir, tmp_path / "store", tmp_path), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"clock{r}.pt", weights_only=True) for r in (0, 1))
+    lr = load_config(TINY_CONFIG).train.lr
+    # rank 0's 6, 12 and 18 s of a 60 s budget: 0.9, 0.8 and 0.7 of the rate
+    assert rank0["rates"] == rank1["rates"] == pytest.approx([lr * 0.9, lr * 0.8, lr * 0.7])
+    assert all(torch.equal(a, b) for a, b in zip(rank0["weights"], rank1["weights"], strict=True))
+
+
 def sharing_worker(rank: int, world_size: int, data_dir: Path, init_from: Path, run_dir: Path, out: Path) -> None:
     """`validate` and train.diversify's `_translate_train` on `world_size` ranks, started from a
     trained run; the moving average (kept on rank 0) holds the trained weights, the model itself
