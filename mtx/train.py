@@ -2468,6 +2468,10 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> tuple[TrainState, P
     # the stop signals are caught from here to the end, cleanup included: a stop during setup stops
     # at once (nothing to save yet), one during training at the next step, after saving last.pt
     with StopRequest(announce=ranks.is_main) as stop, ExitStack() as held:
+        # while setting up, a signal stops at once (stop 66: one before the Trainer was made was
+        # only flagged: the tokenizer trained and step 0 was saved before the run stopped)
+        stop.at_once = True
+        setting_up = True
         try:
             _barrier(ranks, device)  # every rank has checked the run directory before rank 0 writes to it
             if ranks.is_main:
@@ -2489,18 +2493,14 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> tuple[TrainState, P
             else:
                 mtx_log.setLevel(logging.WARNING)  # rank 0 reports for the job
             try:
-                stop.at_once = True
                 trainer = Trainer(cfg, run_dir, resume, corpus, ranks, extra_texts, last)
                 del last  # the whole checkpoint, optimizer state included: not held while training
-            except BaseException as e:  # a setup error (bad data for this config), or a stop: leave no half-made run
+            except BaseException:  # a setup error (bad data for this config), or a stop: leave no half-made run
                 failed_start = new_dir and ranks.is_main
-                if isinstance(e, KeyboardInterrupt) and stop.signal is not None:
-                    name = signal.Signals(stop.signal).name
-                    message = f"training stopped by {name} while setting up; nothing was saved"
-                    raise Interrupted(message, stop.signal, report=ranks.is_main) from None
                 raise
             finally:
                 stop.at_once = False
+            setting_up = False
             try:
                 return trainer.fit(stop), trainer.run_dir
             finally:
@@ -2510,6 +2510,13 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> tuple[TrainState, P
                 # exception") after training had finished
                 del trainer
                 gc.collect()
+        except KeyboardInterrupt:
+            if stop.signal is None or not setting_up:  # (a second signal while training stops at once)
+                raise
+            failed_start = new_dir and ranks.is_main  # a new run's start leaves nothing
+            name = signal.Signals(stop.signal).name
+            message = f"training stopped by {name} while setting up; nothing was saved"
+            raise Interrupted(message, stop.signal, report=ranks.is_main) from None
         except MtxError as e:
             if handler is not None and not isinstance(e, Interrupted):  # (a stop by signal is logged)
                 # the log says why the run ended (stop 63: train.max_bad_steps' stop, or an epoch

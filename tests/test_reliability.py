@@ -1882,6 +1882,38 @@ def test_any_failure_while_setting_up_leaves_no_half_made_run(
     assert main(mini_args(mini_data, run, "--set", "train.max_steps=2", "--set", "train.eval_every=2")) == 0
 
 
+def test_a_stop_signal_before_the_model_is_made_stops_at_once(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A signal while the run directory was checked and prepared was only flagged: the tokenizer
+    trained, step 0 was saved and the new run kept (stop 66). A resume stopped there keeps its
+    last.pt as it was."""
+    digest = train_module.val_digest
+
+    def signalled(*args: object) -> str:
+        signal.raise_signal(sig)
+        return digest(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train_module, "val_digest", signalled)
+    run = tmp_path / "new" / "run"
+    for sig, argv in (
+        (signal.SIGINT, mini_args(mini_data, run)),
+        (signal.SIGTERM, ["train", "--run-dir", str(tmp_path / "old"), "--resume", "--set", "train.max_steps=4"]),
+    ):
+        if sig == signal.SIGTERM:
+            monkeypatch.undo()
+            assert main(mini_args(mini_data, tmp_path / "old", "--set", "train.max_steps=2")) == 0
+            before = snapshot(tmp_path / "old" / "checkpoints")
+            capsys.readouterr()
+            monkeypatch.setattr(train_module, "val_digest", signalled)
+        assert main(argv) == 128 + sig
+        err = capsys.readouterr().err
+        assert err.splitlines()[-1] == f"mtx: training stopped by {sig.name} while setting up; nothing was saved"
+        assert "trained BPE" not in err
+    assert not (tmp_path / "new").exists()
+    assert snapshot(tmp_path / "old" / "checkpoints") == before
+
+
 def test_a_start_killed_before_its_first_checkpoint_starts_again_with_any_config(
     tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
