@@ -781,6 +781,9 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = run_dir
         self.resumed = resume
+        # what a resume's changes do, said once training goes on (stop 66: a resume that trained
+        # nothing logged them as taking effect "from now on", while config.yaml kept the old values)
+        self.resume_notes: list[tuple[int, str]] = []
         self.ranks = ranks = ranks or Ranks()
         self.saved_step: int | None = None  # step of the newest last.pt
         tc = cfg.train
@@ -1116,10 +1119,13 @@ class Trainer:
             elif self.ema is not None:  # train.ema turned on at resume: the average starts here
                 self.ema = MovingAverage(self.model, self.ema.decay)
             elif "ema" in ckpt and self.ranks.is_main and (ckpt_io.checkpoint_dir(self.run_dir) / "ema.pt").is_file():
-                log.info(  # (stop 57: it stayed without a word, an average of an earlier step beside new ones)
-                    "train.ema is 0 from step %d: checkpoints/ema.pt stays the moving average of step %d",
-                    self.state.step,
-                    self.state.validated_step,
+                # (stop 57: it stayed without a word, an average of an earlier step beside new ones)
+                self.resume_notes.append(
+                    (
+                        logging.INFO,
+                        f"train.ema is 0 from step {self.state.step}: checkpoints/ema.pt stays the moving average "
+                        f"of step {self.state.validated_step}",
+                    )
                 )
             rng_per_rank = ckpt.get("rng_per_rank") or [ckpt["rng"]]
             same_ranks = len(rng_per_rank) == self.ranks.world_size
@@ -1149,17 +1155,20 @@ class Trainer:
             changed.append("the training data")
         if self.synthetic is not None and not tc.diversify:  # (stop 53: they stayed in every later epoch)
             self.synthetic, st.diversified_epoch = None, -1
-            log.info("train.diversify=0: the model's translations of train are left out from here on")
+            self.resume_notes.append(
+                (logging.INFO, "train.diversify=0: the model's translations of train are left out from here on")
+            )
             changed.append("train.diversify")
         planned = st.epoch + (1 if st.batch else 0)  # epochs whose pairs are settled
         for key, count in (("bidirectional", st.both_ways_epochs), ("extra_sources", st.extra_source_epochs)):
             old = saved.get("train", {}).get(key)
             if isinstance(old, (int, float)) and getattr(tc, key) > old and count < planned and self.ranks.is_main:
-                log.warning(
-                    "train.%s raised on resume has no effect: its phase holds only the first epochs, "
-                    "and epoch %d was trained without it",
-                    key,
-                    count,
+                self.resume_notes.append(
+                    (
+                        logging.WARNING,
+                        f"train.{key} raised on resume has no effect: its phase holds only the first epochs, "
+                        f"and epoch {count} was trained without it",
+                    )
                 )
         if tc.diversify and not st.both_ways_epochs and planned:
             raise MtxError(
@@ -1170,17 +1179,20 @@ class Trainer:
             # the rest of the epoch's plan under the new settings is not the rest of the old one:
             # it would give some pairs a second time this epoch and others not at all
             if self.ranks.is_main:
-                log.warning(
-                    "%s changed in the middle of epoch %d: training goes on from the start of epoch %d",
-                    ", ".join(changed),
-                    st.epoch,
-                    st.epoch + 1,
+                self.resume_notes.append(
+                    (
+                        logging.WARNING,
+                        f"{', '.join(changed)} changed in the middle of epoch {st.epoch}: training goes on from "
+                        f"the start of epoch {st.epoch + 1}",
+                    )
                 )
             st.epoch, st.batch = st.epoch + 1, 0
         self.saved_step = self.state.step
         if self.ranks.is_main:  # (stop 65: only the Adam settings were logged; config.yaml holds the new values only)
             for key, (old, new) in changes.items():
-                log.info("%s: %r until step %d, %r from now on", key, old, self.state.step, new)
+                self.resume_notes.append(
+                    (logging.INFO, f"{key}: {old!r} until step {self.state.step}, {new!r} from now on")
+                )
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)", path, self.state.step, self.state.epoch, self.state.batch
         )
@@ -1595,8 +1607,11 @@ class Trainer:
             # between validations, resumed with its limit lowered to where it stopped, validates that
             # step as an ending run does (stop 54: no best.pt, and a best val BLEU of -1.0 printed)
             if limit is not None and st.validated_step == st.step:
-                log.info("done: the run already reached %s, at step %d; raise it to train on", limit, st.step)
+                kept = " (nothing changed: the run keeps its config.yaml)" if self.resume_notes else ""
+                log.info("done: the run already reached %s, at step %d; raise it to train on%s", limit, st.step, kept)
                 return st
+            for level, note in self.resume_notes:
+                log.log(level, note)
             if self.ranks.is_main:  # the --set changes, recorded once they take effect (stop 55: also where
                 # nothing was left to train, which changes no file but train.log); metrics.jsonl first,
                 # whose records past last.pt's step are logged again anyway

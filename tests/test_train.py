@@ -812,6 +812,16 @@ def test_a_resume_logs_every_key_it_changes(tmp_path: Path, mini_data: Path) -> 
         "train.schedule: 'inverse_sqrt' until step 2, 'linear' from now on",
         "train.label_smoothing: 0.1 until step 2, 0.3 from now on",
     ]
+    # a resume with nothing left to train changes nothing, and says so rather than "from now on"
+    # (stop 66: the lines were logged, config.yaml kept the old values, and the next resume used them)
+    config = (run / "config.yaml").read_text()
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.lr=0.02"]) == 0
+    assert (run / "config.yaml").read_text() == config
+    log = (run / "train.log").read_text().splitlines()
+    assert not any("0.02 from now on" in line for line in log) and log[-1].endswith(
+        "done: the run already reached train.max_steps=3, at step 3; raise it to train on "
+        "(nothing changed: the run keeps its config.yaml)"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
