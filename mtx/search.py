@@ -403,7 +403,6 @@ def translate_ids(
     max_len_b: int,
     batch_tokens: int,
     nbest: int = 1,
-    device: torch.device | None = None,
     use_cache: bool = True,
     workers: int = 0,
     stop: str = "exact",
@@ -420,7 +419,7 @@ def translate_ids(
     where given, is called with each count of sentences done (a progress bar's `update`).
     `first_line`: the input line number of `src_ids[0]`, for the truncation warning.
     """
-    device = device or next(model.parameters()).device
+    device = next(model.parameters()).device
     src_ids = within_positions(src_ids, model, first_line)
     # an empty input's only translation is empty: `nbest` of it, so that every input gets as many
     results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] * nbest for _ in src_ids]
@@ -513,7 +512,6 @@ def translate(
     max_len_a: float,
     max_len_b: int,
     batch_tokens: int,
-    device: torch.device | None = None,
     use_cache: bool = True,
     workers: int = 0,
     stop: str = "exact",
@@ -533,7 +531,6 @@ def translate(
         max_len_b,
         batch_tokens,
         1,
-        device,
         use_cache=use_cache,
         workers=workers,
         stop=stop,

@@ -890,7 +890,6 @@ class Trainer:
                 len(self.valid_ids),
                 cfg.model.max_positions,
             )
-        self.data_dir = data_dir
 
         output_ids = self.train_ids.target_vocabulary() if cfg.model.restrict_output else None
         try:
@@ -1399,7 +1398,7 @@ class Trainer:
                 for tensor in teacher.state_dict().values():
                     dist.broadcast(tensor, src=0)
         dc, real = self.cfg.decode, self.train_ids
-        limit = self.cfg.data.max_len or 10**9
+        limit = self.cfg.data.max_len
 
         def greedy(sentences: list[list[int]]) -> list[list[int]]:
             share = sentences[self.ranks.rank :: world]
@@ -1562,10 +1561,13 @@ class Trainer:
             n_tokens += batch.n_tgt_tokens
         dc = self.cfg.decode
         src_ids = self.valid_ids.src_ids
+        # cut as translate cuts them, without its warning at every validation and for each rank's
+        # share (stop 66); setting up said how many pairs are longer
+        limit = self.cfg.model.max_positions - 1
         text = translate(
             self.model,
             self.tgt_tok,
-            src_ids[share],
+            [s[:limit] for s in src_ids[share]],
             1,
             dc.length_penalty,
             dc.max_len_a,
@@ -1714,7 +1716,8 @@ class Trainer:
                 if not applied:
                     st.skipped_steps += 1
                     st.bad_steps_in_row += 1
-                    log.warning("non-finite loss or gradient after step %d: update skipped", st.step)
+                    if self.ranks.is_main:  # (stop 66: once per rank)
+                        log.warning("non-finite loss or gradient after step %d: update skipped", st.step)
                     if st.bad_steps_in_row >= tc.max_bad_steps:
                         raise MtxError(
                             f"{st.bad_steps_in_row} non-finite steps in a row after step {st.step} "
@@ -2085,7 +2088,7 @@ def unfinished_start(run_dir: Path) -> bool:
     )
 
 
-def check_run_dir(run_dir: Path, cfg: Config, resume: bool) -> None:
+def check_run_dir(run_dir: Path, resume: bool) -> None:
     """Refuse to overwrite another run, or to resume one that has no last.pt; writes nothing.
 
     A start that ended before its first checkpoint (`unfinished_start`) may be started again in
@@ -2132,7 +2135,7 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, val: str | None = 
     found here, before train.log is opened (stop 55: the data's log lines were written to it);
     the last.pt read for them is returned, for the restore to use rather than read it again.
     `val`: the `val_digest` of the val pairs a resume would validate on, checked against last.pt's."""
-    check_run_dir(run_dir, cfg, resume)
+    check_run_dir(run_dir, resume)
     if resume:
         metrics = run_dir / "metrics.jsonl"  # read, trimmed and appended to: checked before anything is written
         if (metrics.exists() or metrics.is_symlink()) and not metrics.is_file():
@@ -2457,7 +2460,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> tuple[TrainState, P
     if ranks.is_main and run_dir.is_dir():  # in use: said first, before what its state would say
         with ckpt_io.run_dir_lock(run_dir):
             pass
-    check_run_dir(run_dir, cfg, resume)
+    check_run_dir(run_dir, resume)
     existed = run_dir.is_dir()
     new_dir = not resume and not (existed and any(run_dir.iterdir()))  # this call writes all it holds
     failed_start = False

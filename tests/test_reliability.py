@@ -1985,6 +1985,7 @@ def test_val_pairs_beyond_the_positions_are_left_out_of_the_val_loss(tmp_path: P
     assert "done: reached train.max_steps=2, at step 2; best val BLEU" in log  # where it ended, and the best
     left_out = re.search(r"(\d+) of 400 val pairs are longer than model.max_positions \(20\) allows", log)
     assert left_out and 0 < int(left_out.group(1)) < 400, log
+    assert "were truncated" not in log  # said once, above (stop 66: again at every validation)
     valid = [e for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if e["event"] == "valid"]
     assert valid and all(math.isfinite(e["val_loss"]) for e in valid)
 
