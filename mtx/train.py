@@ -2200,6 +2200,9 @@ _FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer st
     # resume, it was recorded in config.yaml and never read); best.pt's val BLEU is of the val
     # sentences it was scored on (stop 55: 2 sentences' 3.51 beat 100 sentences' 2.90)
     "train": ("optimizer", "init_from", "eval_sentences"),
+    # and of the outputs' length cap it was scored under (stop 66: a cap of 3 pieces set on resume
+    # scored 0.00 while the val loss fell, and best.pt stayed at the old cap's best)
+    "decode": ("max_len_a", "max_len_b"),
 }
 
 
@@ -2395,7 +2398,7 @@ def _check_below_max_steps(step: int, cfg: Config, path: Path) -> None:
 
 
 # keys the copied tokenizer and the loaded weights depend on: a run started from another must share them
-_SAME_AS_INIT = {section: keys for section, keys in _FIXED_ON_RESUME.items() if section != "train"}
+_SAME_AS_INIT = {section: keys for section, keys in _FIXED_ON_RESUME.items() if section not in ("train", "decode")}
 _SAME_AS_INIT["tokenizer"] = tuple(k for k in _SAME_AS_INIT["tokenizer"] if k != "bpe_dropout")
 _SAME_AS_INIT["data"] = ("src_lang", "tgt_lang")  # a run started from another may validate elsewhere
 

@@ -1530,6 +1530,11 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ),
     ),
     (
+        "resume changing the length cap best.pt's val BLEU was scored under (stop 66)",
+        _resumed_with("decode.max_len_b=3"),
+        ("--resume cannot change decode.max_len_b (the run was trained with 10, now 3); start a new run for that",),
+    ),
+    (
         "resume changing tokenizer.joint (stop 55: 'no tokenizer.de.json; is this an mtx run directory?')",
         _resumed_with("tokenizer.joint=false"),
         ("--resume cannot change tokenizer.joint", "True", "False"),
