@@ -66,6 +66,20 @@ def step_checkpoints(run_dir: Path) -> list[Path]:
     return [path for _, path in sorted(steps)]
 
 
+def step_number(path: Path) -> int:
+    """N of a `step_N.pt` that `step_checkpoints` lists."""
+    found = _STEP_NAME.fullmatch(path.name)
+    assert found is not None
+    return int(found.group(1))
+
+
+def saved_step(path: Path) -> int | None:
+    """The step a checkpoint was saved at; None where there is none or it cannot be read."""
+    top = _top_level(path) if path.is_file() else None
+    step = top.get("step") if top is not None else None
+    return step if isinstance(step, int) else None
+
+
 @contextlib.contextmanager
 def run_dir_lock(run_dir: Path, fix: str = "wait for it to end, or choose another --run-dir") -> Iterator[None]:
     """Hold an exclusive lock on the run directory (`flock` on the directory itself; the system

@@ -1236,7 +1236,28 @@ class Trainer:
         log.warning("%s was moved to %s while training: the run is saved there from now on", self.run_dir, moved)
         self.run_dir = moved
 
-    def _save_step_and_best(self, bleu: float) -> None:
+    def _score(self, bleu: float) -> bool:
+        """Take a validation's BLEU into the best and patience counts; True for a new best."""
+        st = self.state
+        new_best = bleu > st.best_bleu
+        if new_best:
+            st.best_bleu, st.best_step = bleu, st.step
+        # (stop 62: a run's last validation between two of the cadence counted toward patience, so a
+        # run trained in two parts stopped where a straight run of the same config trained on)
+        if st.step % self.cfg.train.eval_every == 0:
+            if bleu > st.patience_best_bleu:
+                st.patience_best_bleu, st.evals_without_gain = bleu, 0
+            else:
+                st.evals_without_gain += 1
+        return new_best
+
+    def _save_step_files(self, new_best: bool) -> None:
+        """A validated step's files beside last.pt: step_N.pt (and the pruning of older ones),
+        ema.pt, and best.pt where the step is a new best. All are made from the state that last.pt
+        holds, and written after it, so that a save cut short (kill -9, a second Ctrl-C) leaves
+        none of them ahead of last.pt; `_complete_step_files` makes what is missing on resume
+        (stop 66: they were written first, and a resume that went another way kept a best.pt and
+        step checkpoints of steps the run never reached)."""
         self._follow_run_dir()
         ckpts = ckpt_io.checkpoint_dir(self.run_dir)
         payload = self._payload(full=False)
@@ -1252,19 +1273,34 @@ class Trainer:
             ckpt_io.atomic_save(
                 {**payload, "model": self.ema.model_state(), "ema_decay": self.ema.decay}, ckpts / "ema.pt"
             )
-        st = self.state
-        if bleu > st.best_bleu:
-            st.best_bleu, st.best_step = bleu, st.step
+        if new_best:
             kept = ckpt_io.save_new_best(self.run_dir, payload)
             if kept is not None:
                 log.info("best.pt held an average chosen after training; it is kept as %s", kept)
-        # (stop 62: a run's last validation between two of the cadence counted toward patience, so a
-        # run trained in two parts stopped where a straight run of the same config trained on)
-        if st.step % self.cfg.train.eval_every == 0:
-            if bleu > st.patience_best_bleu:
-                st.patience_best_bleu, st.evals_without_gain = bleu, 0
-            else:
-                st.evals_without_gain += 1
+
+    def _complete_step_files(self) -> None:
+        """On resume at a validated step: the step files a save cut short after last.pt did not
+        write, made again from last.pt's state; step checkpoints of later steps (another course,
+        cut short) go."""
+        st, ckpts = self.state, ckpt_io.checkpoint_dir(self.run_dir)
+        ahead = [p for p in ckpt_io.step_checkpoints(self.run_dir) if ckpt_io.step_number(p) > st.step]
+        for path in ahead:
+            path.unlink()
+        if ahead:
+            names = ", ".join(p.name for p in ahead)
+            log.warning("removed %s: saved after last.pt's step %d by a run cut short", names, st.step)
+        if st.validated_step != st.step or not st.step:
+            return
+        step_file = ckpts / f"step_{st.step}.pt"
+        missing = {
+            step_file.name: bool(self.cfg.train.keep_last) and not step_file.is_file(),
+            "ema.pt": self.ema is not None and ckpt_io.saved_step(ckpts / "ema.pt") != st.step,
+            "best.pt": st.best_step == st.step and ckpt_io.saved_step(ckpt_io.best_single(self.run_dir)) != st.step,
+        }
+        if any(missing.values()):
+            made = ", ".join(name for name, gone in missing.items() if gone)
+            log.warning("the save of step %d was cut short after last.pt: %s made again from it", st.step, made)
+            self._save_step_files(new_best=missing["best.pt"])
 
     # -- one update ------------------------------------------------------------------------
     def _micro_batches(self) -> Iterator[list[Batch]]:
@@ -1604,6 +1640,8 @@ class Trainer:
         if not self.resumed:
             self.save()  # from here on the run can always be resumed
         else:
+            if self.ranks.is_main:
+                self._complete_step_files()
             limit = self._limit_reached()
             # nothing to train: a repeated validation would count toward patience; but a run stopped
             # between validations, resumed with its limit lowered to where it stopped, validates that
@@ -1959,13 +1997,13 @@ class Trainer:
         Every rank validates its share (`validate`); rank 0 scores, logs and saves, and the
         others wait for its patience verdict."""
         st = self.state
-        out_of_patience = False
+        out_of_patience = new_best = False
         st.validated_step = st.step
         result = self.validate()
         if result is not None:  # rank 0
             epoch = self._trained_epoch()
             record = {"event": "valid", "step": st.step, "epoch": epoch, **result, "elapsed_s": st.elapsed}
-            self._save_step_and_best(result["val_bleu"])
+            new_best = self._score(result["val_bleu"])
             record["best_bleu"] = st.best_bleu
             message = (
                 f"step {st.step}: val loss {result['val_loss']:.3f}, val BLEU {result['val_bleu']:.2f} "
@@ -1976,6 +2014,8 @@ class Trainer:
             out_of_patience = bool(self.cfg.train.patience) and st.evals_without_gain >= self.cfg.train.patience
         out_of_patience = self._from_main(out_of_patience)
         self.save()
+        if result is not None:
+            self._save_step_files(new_best)
         return out_of_patience
 
 

@@ -794,6 +794,43 @@ def test_a_run_directory_moved_while_training_is_saved_in_its_new_place(tmp_path
     assert not gone.exists()
 
 
+def test_a_save_cut_short_after_last_pt_is_completed_on_resume(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A validation saved step_N.pt, ema.pt and best.pt before last.pt, so a kill -9 or a second
+    Ctrl-C in last.pt's write left them ahead of it; a resume that went another way kept a best.pt
+    and step checkpoints of steps the run never reached (stop 66). Now last.pt is written first,
+    and a resume makes again what a cut-short save did not write."""
+    common = ["--set", "train.eval_every=10", "--set", "train.keep_last=2", "--set", "train.ema=0.9"]
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert main(mini_args(mini_data, straight, *common, "--set", "train.max_steps=20")) == 0
+    files = train_module.Trainer._save_step_files
+
+    def killed_at_10(trainer: train_module.Trainer, new_best: bool) -> None:
+        if trainer.state.step == 10:
+            raise RuntimeError("killed")
+        files(trainer, new_best)
+
+    monkeypatch.setattr(train_module.Trainer, "_save_step_files", killed_at_10)
+    with pytest.raises(RuntimeError, match="killed"):
+        main(mini_args(mini_data, cut, *common, "--set", "train.max_steps=20"))
+    monkeypatch.undo()
+    ckpts = cut / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.pt"]  # nothing of step 10 but last.pt
+    assert load_weights_only(ckpts / "last.pt")["step"] == 10
+    shutil.copy(ckpts / "last.pt", ckpts / "step_15.pt")  # as a run cut short on another course left it
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(cut), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "removed step_15.pt: saved after last.pt's step 10 by a run cut short" in err
+    assert "the save of step 10 was cut short after last.pt: step_10.pt, ema.pt, best.pt made again from it" in err
+    names = ["last.pt", "step_10.pt", "step_20.pt", "ema.pt", "best.pt"]
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted(names)
+    for name in names:
+        a, b = (load_weights_only(run / "checkpoints" / name) for run in (straight, cut))
+        assert a["step"] == b["step"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), name
+
+
 def test_the_final_line_names_where_a_moved_run_directory_went(
     tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
