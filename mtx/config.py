@@ -450,21 +450,38 @@ def from_dict(raw: Any, where: str = "config", file_where: str | None = None, se
     try:
         validate(cfg, where)
     except ConfigError as e:
-        raise ConfigError(attributed(str(e), where, file_where, set_keys)) from None
+        raise ConfigError(attributed(str(e), where, file_where, set_keys, e.keys, given_keys(raw))) from None
     return cfg
+
+
+def given_keys(raw: dict[str, Any]) -> set[str]:
+    """The dotted keys a raw config (a file's, with --set applied) gives values for."""
+    return {f"{name}.{key}" for name, section in raw.items() if isinstance(section, dict) for key in section}
 
 
 _DOTTED_KEY = re.compile(r"\b(?:data|tokenizer|model|train|decode)\.[a-z_]+")
 
 
-def attributed(message: str, where: str, file_where: str | None, set_keys: Iterable[str]) -> str:
-    """A check's error `message` ("WHERE: ...") naming where the keys it names came from: the file
+def attributed(
+    message: str,
+    where: str,
+    file_where: str | None,
+    set_keys: Iterable[str],
+    keys: Iterable[str] | None = None,
+    given: set[str] | None = None,
+) -> str:
+    """A check's error `message` ("WHERE: ...") naming where the keys at fault came from: the file
     where none came from --set, "--set" where all did, WHERE ("FILE (with --set)") where both
     gave some (stop 63: `train.lr: -1` in a file was blamed on "FILE (with --set)" whenever any
-    --set was given)."""
+    --set was given). The keys at fault are `keys`, else those the message names, of them only
+    those `given` holds where it is given: a key at its default came from neither (stop 66:
+    `--set train.dropout_start=0.2` alone was blamed on the file too, for the default
+    train.dropout_warmup the message names)."""
     if file_where is None or not message.startswith(f"{where}: "):
         return message
-    keys = set(_DOTTED_KEY.findall(message))
+    keys = set(keys if keys is not None else _DOTTED_KEY.findall(message))
+    if given is not None:
+        keys &= given
     from_set = keys & set(set_keys)
     if not keys or (from_set and from_set != keys):
         return message
@@ -545,7 +562,8 @@ def validate(cfg: Config, where: str = "config") -> None:
     if m.activation_dropout != -1.0 and not 0.0 <= m.activation_dropout < 1.0:
         raise ConfigError(
             f"{where}: model.activation_dropout must be -1 (as model.dropout) or in [0, 1), "
-            f"got {m.activation_dropout!r}"
+            f"got {m.activation_dropout!r}",
+            keys=("model.activation_dropout",),
         )
     if m.d_model % m.n_heads:
         raise ConfigError(f"{where}: model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
@@ -863,7 +881,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, who
             f"{where}: train.dropout_start is set but train.dropout_warmup is 0; set the updates over which "
             "dropout rises from it to model.dropout (e.g. 4000), or drop train.dropout_start"
         )
-        raise ConfigError(attributed(message, where, file_where, set_keys))
+        fault = ("train.dropout_start", "train.dropout_warmup")
+        raise ConfigError(attributed(message, where, file_where, set_keys, fault, given_keys(raw)))
     return cfg
 
 

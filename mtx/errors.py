@@ -46,7 +46,12 @@ class MtxError(Exception):
 
 
 class ConfigError(MtxError):
-    """Invalid config file, key, type or value."""
+    """Invalid config file, key, type or value. `keys`: the dotted keys whose values are at fault,
+    where the message names others too (as an explanation), for `config.attributed`."""
+
+    def __init__(self, message: str, keys: tuple[str, ...] | None = None) -> None:
+        super().__init__(message)
+        self.keys = keys
 
 
 class DataError(MtxError):

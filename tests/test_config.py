@@ -369,6 +369,16 @@ def test_a_keys_error_names_where_the_value_came_from(tmp_path: Path) -> None:
     path.write_text("model:\n  d_model: 64\n")
     with pytest.raises(ConfigError, match=r"^.*c\.yaml \(with --set\): model\.d_model \(64\) must be divisible"):
         load_config(path, ["model.n_heads=5"])
+    # keys a message names only to explain, or at their defaults, are not blamed (stop 66: each of
+    # these, given by --set alone, was blamed on "FILE (with --set)")
+    path.write_text("model:\n  dropout: 0.1\n")
+    for overrides, start in (
+        (["model.activation_dropout=1.5"], "model.activation_dropout must be -1"),
+        (["train.dropout_start=0.2"], "train.dropout_start is set but train.dropout_warmup is 0"),
+        (["train.rdrop=1", "model.dropout=0"], "train.rdrop needs model.dropout"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^--set: {re.escape(start)}"):
+            load_config(path, overrides)
 
 
 def test_a_files_section_mistake_is_blamed_on_the_file_whatever_is_set(tmp_path: Path) -> None:
