@@ -1794,6 +1794,19 @@ class Trainer:
             if st.validated_step != st.step:  # stopped between validations
                 self._evaluate(metrics)
                 st.elapsed += time.perf_counter() - last_time
+        except KeyboardInterrupt:
+            if stop.signal is None:
+                raise
+            # a second signal: at once, without saving (stop 66: "mtx: interrupted" followed the
+            # first signal's "saving a checkpoint and stopping", with nothing on what was kept)
+            name = signal.Signals(stop.signal).name
+            kept = f"last.pt is from step {self.saved_step}" if self.saved_step is not None else "nothing was saved"
+            raise Interrupted(
+                f"training stopped at once by a second {name}, without saving; {kept}. "
+                f"Resume with: {self._resume_command()}",
+                stop.signal,
+                report=self.ranks.is_main,
+            ) from None
         except RuntimeError as e:
             if out_of_memory(e):
                 # (stop 63: a batch too large for the device was a 30-line traceback, with no word

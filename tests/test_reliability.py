@@ -888,6 +888,30 @@ def test_a_stop_signal_in_the_last_validation_lets_the_run_end_complete(
     assert last["step"] == last["validated_step"] == 3
 
 
+def test_a_second_signal_stops_at_once_and_says_what_was_kept(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second Ctrl-C ended in "mtx: interrupted" under the first's "saving a checkpoint and
+    stopping", with nothing on what was kept or how to go on (stop 66)."""
+    validate = train_module.Trainer._evaluate
+
+    def interrupted_twice(self: train_module.Trainer, metrics: object) -> bool:
+        signal.raise_signal(signal.SIGINT)  # sets the stop flag
+        signal.raise_signal(signal.SIGINT)  # stops at once
+        return validate(self, metrics)
+
+    monkeypatch.setattr(train_module.Trainer, "_evaluate", interrupted_twice)
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=20", "--set", "train.eval_every=10")) == 130
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith(
+        "mtx: training stopped at once by a second SIGINT, without saving; last.pt is from step 0. Resume with: "
+    ), last
+    monkeypatch.undo()
+    assert main(["train", "--run-dir", str(run), "--resume"]) == 0
+
+
 def test_kill_9_never_leaves_a_torn_checkpoint(tmp_path: Path, mini_data: Path) -> None:
     """SIGKILL while last.pt or a step checkpoint is being written, and between saves."""
     run_dir = tmp_path / "run"
