@@ -1710,8 +1710,10 @@ class Trainer:
             dynamic_ncols=True,
             mininterval=1.0,
             # None: no bar where stderr is not a terminal (`nohup`, `> log 2>&1`: stop 63, the bar's
-            # carriage-return updates filled such a log, one a second); a line per log window instead
-            disable=None if main else True,
+            # carriage-return updates filled such a log, one a second); a line per log window instead,
+            # as on a terminal that reports no width (stop 66: `script`'s, some containers'), where
+            # tqdm drew a bar 0 characters wide and the run showed no progress at all
+            disable=None if main and not _zero_width_terminal(sys.stderr) else True,
             file=UntilReaderGone(sys.stderr),
         )
         window_start = time.perf_counter()  # of this session's part of the log window (st.window_*)
@@ -2317,6 +2319,14 @@ _PER_MACHINE = frozenset({"data.dir", "train.threads"})
 def _flat(tree: dict[str, Any]) -> dict[str, Any]:
     """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}."""
     return {f"{section}.{key}": value for section, keys in tree.items() for key, value in keys.items()}
+
+
+def _zero_width_terminal(stream: Any) -> bool:
+    """Whether `stream` is a terminal that reports 0 columns (a pseudo-terminal never sized)."""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns == 0
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's capture), closed
+        return False
 
 
 def progress_bar(seconds_left: Callable[[], float] | None, **options: Any) -> Any:

@@ -388,6 +388,26 @@ def test_eval_shows_a_progress_bar_on_a_terminal_only(
     }
 
 
+def test_training_on_a_terminal_of_no_width_logs_its_windows_as_lines(tmp_path: Path, mini_data: Path) -> None:
+    """A pseudo-terminal never sized (`script`'s, some containers') reports 0 columns: tqdm drew
+    a bar 0 characters wide, and the run showed no progress at all (stop 66)."""
+    controller, terminal = pty.openpty()  # 0 rows, 0 columns
+    extra = ["train.max_steps=20", "train.eval_every=20", "train.log_every=10", "train.eval_sentences=10"]
+    args = tiny_args(mini_data, tmp_path / "run", *(a for key in extra for a in ("--set", key)))
+    command = [sys.executable, "-m", "mtx", *args]
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=terminal, cwd=REPO, env=_child_env())
+    os.close(terminal)
+    shown = b""
+    try:
+        while chunk := _read_terminal(controller):
+            shown += chunk
+        assert child.wait(timeout=120) == 0
+    finally:
+        child.kill()
+        os.close(controller)
+    assert re.search(rb"step 10/20: loss [\d.]+, lr [\d.e+-]+, \d+ tgt tok/s", shown), shown.decode()
+
+
 def _read_terminal(controller: int) -> bytes:
     """What the child wrote to its terminal since the last call; b"" once it has closed it."""
     ready, _, _ = select.select([controller], [], [], 120)
