@@ -717,7 +717,7 @@ def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> Non
     """Before decoding, so that a bad output path fails at once: `output` must be a file path in a
     writable directory (or one to be made), none of the files this command reads (`inputs`:
     what each is -> paths), and no run's own file or checkpoint; `-` is standard output."""
-    from mtx.plot import written_through
+    from mtx.plot import replaced_at
 
     if str(output) == "-":
         return
@@ -726,10 +726,11 @@ def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> Non
         if _a_file_or_its_twin(output, [p for p in paths if p is not None]):
             raise MtxError(f"the hypotheses file {output} is {what}; pass --output with another path")
     _not_a_runs_file(output, f"the hypotheses file {output}", "pass --output with another path")
-    if written_through(output):  # a device, pipe or link: it is opened as it is, not replaced
+    target = replaced_at(output)
+    if target is None:  # a device or pipe: it is opened as it is, not replaced
         return
     # the directory, or the nearest one above it where it is to be made (`parent_directories`)
-    nearest = next(d for d in (output.parent, *output.parent.parents) if d.exists())
+    nearest = next(d for d in (target.parent, *target.parent.parents) if d.exists())
     if not os.access(nearest, os.W_OK | os.X_OK):
         raise MtxError(
             f"the hypotheses file {output}: cannot write to {output.parent}; pass --output with a writable path"
@@ -832,7 +833,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         warn_of_invisible_ends,
         warn_unless_nfc,
     )
-    from mtx.plot import parent_directories, written_through
+    from mtx.plot import parent_directories, replaced_at
     from mtx.search import translate
 
     # the data and the other systems' outputs are checked before the model is loaded
@@ -930,11 +931,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             with named_os_errors("standard output"):
                 sys.stdout.write("".join(t + "\n" for t in text))
                 sys.stdout.flush()
-        elif written_through(output):
+        elif (target := replaced_at(output)) is None:  # a device or pipe
             with named_os_errors(str(output)), open(output, "w", encoding="utf-8") as f:
                 f.write("".join(t + "\n" for t in text))
         else:
-            atomic_write_text(output, "".join(t + "\n" for t in text))
+            atomic_write_text(target, "".join(t + "\n" for t in text))
     scores = corpus_scores(text, ref, bootstrap=args.bootstrap)
     paired = paired_tests(text, others, ref, samples) if others else []
     result: dict[str, object] = {

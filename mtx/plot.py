@@ -204,10 +204,10 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
                 sys.stdout.buffer.flush()
             return out
         with parent_directories(out):  # (stop 57: a failed plot left the directories it had made)
-            if not written_through(out):  # a new file renamed over the old one
+            if (target := replaced_at(out)) is not None:  # a new file renamed over the old one
                 from mtx.checkpoint import atomic_write_bytes
 
-                atomic_write_bytes(out, image.getvalue())
+                atomic_write_bytes(target, image.getvalue())
             else:
                 with named_os_errors(str(out)), open(out, "wb") as f:  # (a full disk: the system's error names no file)
                     f.write(image.getvalue())
@@ -239,6 +239,20 @@ def written_through(path: Path) -> bool:
     symbolic link) rather than replaced by a new regular file: `eval --output`'s and `plot --out`'s
     rule (stop 54: `plot --out /dev/stdout` wrote /dev/stdout.png)."""
     return path.is_symlink() or (path.exists() and not path.is_file())
+
+
+def replaced_at(path: Path) -> Path | None:
+    """Where an output is written as a new file renamed into place: `path`, or for a symbolic
+    link to a regular file (or to none yet) the file it names, so that a failed write leaves the
+    old file whole and the link in place (stop 66: written through the link, a full disk cut the
+    file it named short); None where it is opened and written as it is (a device, a pipe)."""
+    if not written_through(path):
+        return path
+    if path.is_symlink():
+        target = path.resolve()
+        if target.is_file() or not target.exists():
+            return target
+    return None
 
 
 def _image_path(out: Path, formats: Iterable[str]) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import io
 import json
@@ -955,6 +956,28 @@ def test_outputs_through_links_and_in_checkpoints_are_checked_before_the_work(
     r = mtx_here(monkeypatch, "average", "--run", str(run), "--last", "2", "--out", "-")
     assert_one_line_error(r, "--out - (standard output) cannot take an average")
     assert not (REPO / "-").exists()
+
+
+def test_an_output_through_a_link_to_a_file_is_replaced_whole_or_not_at_all(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written through the link, a full disk cut the file it named short (3,000 lines to 731, a
+    PNG to 10 KB) where the file's own path kept it (stop 66)."""
+    old = "".join(f"{i}\n" for i in range(3000))
+    for argv, name in (
+        (["eval", "--run", str(tiny_run), "--split", "val", "--beam", "1", "--output"], "hyps.en"),
+        (["plot", "--run", str(tiny_run), "--out"], "curves.png"),
+    ):
+        target, link = tmp_path / name, tmp_path / f"link_{name}"
+        target.write_text(old)
+        link.symlink_to(target)
+        with monkeypatch.context() as m:
+            m.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+            r = mtx_here(m, *argv, str(link))
+        assert_one_line_error(r, "No space left on device); the previous file is unchanged")
+        assert target.read_text() == old and link.is_symlink()
+        assert mtx_here(monkeypatch, *argv, str(link)).returncode == 0
+        assert link.is_symlink() and target.read_bytes() != old.encode()
 
 
 def test_a_command_stopped_by_sigterm_or_sighup_cleans_up_and_says_so(
