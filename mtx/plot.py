@@ -248,10 +248,10 @@ def replaced_at(path: Path) -> Path | None:
     file it named short); None where it is opened and written as it is (a device, a pipe)."""
     if not written_through(path):
         return path
-    if path.is_symlink():
-        target = path.resolve()
-        if target.is_file() or not target.exists():
-            return target
+    # (path.exists() and is_file() follow the link as the system does: /dev/stdout's magic link to
+    # a pipe exists, where the path `resolve` spells for it does not)
+    if path.is_symlink() and (path.is_file() or not path.exists()):
+        return path.resolve()
     return None
 
 
