@@ -5,19 +5,24 @@ tokenizer file(s) and `checkpoints/{last,best,step_N}.pt`. Checkpoints are writt
 temporary file in the same directory, flushed, fsynced and renamed over the old file, so a
 crash at any moment leaves either the previous or the new checkpoint, never a torn one.
 Temporary files left by a writer that was killed mid-save are removed at the next save (in any
-other directory than a run's checkpoints/, the next save of the same file).
+other directory than a run's checkpoints/, the next save of the same file). A writer holds an
+exclusive `flock` on its temporary file until it has renamed it, so a file nobody holds is one
+whose writer is gone, whatever its process id says here (stop 66); where the file system has no
+`flock`, the process id in the name decides.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import glob
 import logging
 import os
 import pickle
 import re
 import shutil
+import time
 import warnings
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -36,6 +41,10 @@ try:
     import resource  # the file-size limit of `_write_failure` (not on Windows)
 except ImportError:  # pragma: no cover
     resource = None  # type: ignore[assignment]
+try:
+    import fcntl  # writers' locks on their temporary files (not on Windows: the process id decides)
+except ImportError:  # pragma: no cover
+    fcntl = None  # type: ignore[assignment]
 
 FORMAT_VERSION = 1
 
@@ -87,9 +96,7 @@ def run_dir_lock(run_dir: Path, fix: str = "wait for it to end, or choose anothe
     with `fix`: `mtx train` holds it while it runs. Stop 54: a second start took the first one's
     config and tokenizer for a dead start's and deleted them, and both trainings then wrote the
     same checkpoints and metrics.jsonl. Without `fcntl` (Windows) there is no lock."""
-    try:
-        import fcntl
-    except ImportError:
+    if fcntl is None:
         yield
         return
     fd = os.open(run_dir, os.O_RDONLY)
@@ -119,30 +126,122 @@ def _pid_alive(pid: int) -> bool:
 
 def left_by_dead_process(pid: str) -> bool:
     """Whether `pid`, read off a temporary file's name, is another process of this machine that
-    is gone (so what it was writing will never be finished)."""
+    is gone (so what it was writing will never be finished). Only where a file cannot be locked:
+    a process id is this PID namespace's, and a container's (stop 66)."""
     return pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid))
+
+
+# how long a writer waits for the lock on its new temporary file: a cleaner holds it for a moment
+# (it found the name before the writer locked it); a live writer of the same name (a process of
+# the same id in another PID namespace) holds it until its rename
+_LOCK_WAIT_S = 10.0
+
+
+def hold_new(fd: int, tmp: Path) -> bool | None:
+    """Lock the temporary file `fd`, just made as `tmp`, for its writer: True once held with `tmp`
+    still naming it, False where a cleaner removed or replaced that name in between (make it
+    again), None where the file system has no `flock` (the process id in the name is then the
+    sign of life). A live writer holding it past `_LOCK_WAIT_S` is an error: its file is not ours."""
+    if fcntl is None:
+        return None
+    deadline = time.monotonic() + _LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise OSError(errno.EBUSY, f"another process is writing {tmp.name}") from None
+            time.sleep(0.02)
+        except OSError:  # ENOLCK, EOPNOTSUPP: some network file systems
+            return None
+    try:
+        return os.stat(tmp, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+_TRIES = 5  # makings of a temporary file that a cleaner removed before its writer locked it
+
+
+def _create_locked(tmp: Path) -> tuple[IO[bytes], bool]:
+    """`tmp` opened empty for writing, and whether this process holds its lock (`hold_new`)."""
+    for _ in range(_TRIES):
+        # not truncated before it is locked: a live writer of the same name keeps its file
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            held = hold_new(fd, tmp)
+            if held is not False:
+                os.ftruncate(fd, 0)
+                return os.fdopen(fd, "wb"), bool(held)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise OSError(errno.EAGAIN, f"{tmp.name} was removed {_TRIES} times as it was made")
+
+
+@contextlib.contextmanager
+def abandoned(path: Path, pid: str) -> Iterator[bool]:
+    """Whether the temporary file `path` is a dead writer's, holding its lock while true: its
+    writer held it until its rename, so a file whose lock can be taken is one nobody will finish.
+    Where it cannot be locked (no `flock`), the process id `pid` of its name decides. Stop 66: the
+    id alone decided, and a process id is only its PID namespace's: a live writer in another
+    container (or on another host of a shared disk) had its file removed mid-save, and a dead one
+    whose id is alive here (a container's mtx is PID 1) left its file for ever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        yield False
+        return
+    except OSError:
+        yield left_by_dead_process(pid)
+        return
+    try:
+        if fcntl is None:
+            yield left_by_dead_process(pid)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False  # its writer lives
+            return
+        except OSError:
+            yield left_by_dead_process(pid)
+            return
+        try:  # the name may have moved on (a writer's rename) since it was opened
+            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        yield same
+    finally:
+        os.close(fd)
 
 
 def clean_stale_tmp(directory: Path, name: str | None = None) -> list[Path]:
     """Remove `.NAME.tmp.PID` files left by writers that died mid-save (e.g. `kill -9`); with
-    `name`, only those of that file. Only a run's checkpoints/ is mtx's alone: in a directory the
-    user chose (`eval --output`, `average --out`) another program's `.x.tmp.123` was removed. A
-    chosen average that a new best.pt's save had set aside (`_save_best`) is not such a file:
-    where best.pt was replaced before the kill, it is the average's only copy, and it is put in
-    its place (stop 55: it was removed, and the average was lost)."""
+    `name`, only those of that file; a writer is told dead by its lock (`abandoned`). Only a run's
+    checkpoints/ is mtx's alone: in a directory the user chose (`eval --output`, `average --out`)
+    another program's `.x.tmp.123` was removed. A chosen average that a new best.pt's save had set
+    aside (`_save_best`) is not such a file: where best.pt was replaced before the kill, it is the
+    average's only copy, and it is put in its place (stop 55: it was removed, and the average was
+    lost)."""
     removed = []
     if not directory.is_dir():
         return removed
     for path in directory.glob(f".{glob.escape(name)}.tmp.*" if name else ".*.tmp.*"):
         pid = path.name.removeprefix(f".{name}.tmp.") if name else path.name.rsplit(".", 1)[1]
-        if not left_by_dead_process(pid):
+        if not pid.isdigit():  # not a name mtx gives (`.x.tmp.123.part` is another program's)
             continue
-        best = directory / BEST
-        if ".aside.tmp." in path.name and not (best.is_file() and best.samefile(path)):
-            os.replace(path, directory / path.name.removeprefix(".").split(".aside.tmp.")[0])
-        else:
-            path.unlink(missing_ok=True)
-            removed.append(path)
+        with abandoned(path, pid) as gone:
+            if not gone:
+                continue
+            best = directory / BEST
+            if ".aside.tmp." in path.name and not (best.is_file() and best.samefile(path)):
+                os.replace(path, directory / path.name.removeprefix(".").split(".aside.tmp.")[0])
+            else:
+                path.unlink(missing_ok=True)
+                removed.append(path)
     return removed
 
 
@@ -154,29 +253,40 @@ def _fsync_dir(directory: Path) -> None:
         os.close(dir_fd)
 
 
-def _atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Write through a same-directory temporary file, fsync, rename over `path`, fsync the directory."""
+def _atomic_write(path: Path, write: Callable[[IO[bytes]], object], hold: bool = False) -> IO[bytes] | None:
+    """Write through a same-directory temporary file, fsync, rename over `path`, fsync the directory.
+    The temporary file is locked from its making until after its rename (stop 66: see `abandoned`);
+    with `hold`, the lock is kept, on `path` now, and its open file returned for the caller to close."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     # (a first save said "the previous file is unchanged" where there was none)
     kept = "the previous file is unchanged" if os.path.exists(path) else "nothing was written"
+    f, held, done, ok = None, False, False, False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         in_checkpoints = path.parent.name == "checkpoints" and (path.parent.parent / CONFIG_FILE).is_file()
         clean_stale_tmp(path.parent, None if in_checkpoints else path.name)
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        f, held = _create_locked(tmp)
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+        if not held:  # nothing to hold (and Windows renames no open file)
+            f.close()
         os.replace(tmp, path)
+        done = True
         _fsync_dir(path.parent)
+        ok = True
     except OSError as e:
         raise CheckpointError(f"{path}: cannot write ({e.strerror or e}); {kept}") from None
     except RuntimeError as e:  # torch.save's writer on a full disk: "unexpected pos ..." (stop 54: a traceback)
         raise CheckpointError(f"{path}: cannot write ({_write_failure(e, tmp)}); {kept}") from None
     finally:
-        # a read-only file system: nothing was written (stop 54: unlink's error hid the real one)
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        if f is not None and not done:  # removed while still locked: no cleaner takes it for a dead writer's
+            # a read-only file system: nothing was written (stop 54: unlink's error hid the real one)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        if f is not None and not (hold and held and ok):
+            f.close()
+    return f if hold and held else None
 
 
 def _write_failure(error: RuntimeError, tmp: Path) -> str:
@@ -602,20 +712,43 @@ def _training_file(path: Path, run_dir: Path) -> bool:
 BEST, BEST_SINGLE, BEST_AVERAGE = "best.pt", "best_single.pt", "best_average.pt"
 
 
-def _link(src: Path, dst: Path) -> None:
+def _link(src: Path, dst: Path, hold: bool = False) -> IO[bytes] | None:
     """Make `dst` a second name of `src` (a hard link: checkpoints are only ever replaced, never
-    written in place), or a copy where the filesystem has no hard links; atomically either way."""
+    written in place), or a copy where the filesystem has no hard links; atomically either way.
+    Its temporary name is locked as `_atomic_write`'s is; with `hold`, `dst` stays locked (a file
+    that must not be taken for a dead writer's) and its open file is returned for the caller to
+    close. A hard link shares its lock with `src`: only these temporary names are ever locked."""
     if dst.exists() and dst.samefile(src):
-        return
+        if not hold:
+            return None
+        dst.unlink()  # a temporary name of this process id that no one holds: made again, locked
     tmp = dst.with_name(f".{dst.name}.tmp.{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        with open(src, "rb") as f:
-            _atomic_write(dst, lambda out: shutil.copyfileobj(f, out))
-        return
-    os.replace(tmp, dst)
+    for _ in range(_TRIES):
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            with open(src, "rb") as source:
+                return _atomic_write(dst, lambda out: shutil.copyfileobj(source, out), hold)
+        try:
+            f = open(tmp, "rb")  # noqa: SIM115 (held past this function)
+        except FileNotFoundError:  # a cleaner took it before it was locked
+            continue
+        try:
+            held = hold_new(f.fileno(), tmp)
+            if held is not False:
+                os.replace(tmp, dst)
+                if hold and held:
+                    return f
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            f.close()
+            raise
+        f.close()
+        if held is not False:
+            return None
+    raise OSError(errno.EAGAIN, f"{tmp.name} was removed {_TRIES} times as it was made")
 
 
 def _average_in_best(ckpts: Path) -> bool:
@@ -663,22 +796,29 @@ def _save_best(ckpts: Path, payload: dict[str, Any], keep: Path | None) -> None:
     before = best.stat().st_ino if best.is_file() else None
     early = keep is not None and keep.name == BEST_SINGLE
     aside = None if keep is None or early else keep.with_name(f".{keep.name}.aside.tmp.{os.getpid()}")
+    held = None
     if before is not None and keep is not None:
-        _link(best, keep if early else aside)
+        # the set-aside name stays locked until it is renamed: no other process's save takes it
+        # for a dead writer's and puts it in place early (stop 66)
+        held = _link(best, keep if early else aside, hold=not early)
     try:
-        atomic_save(payload, best)
-    except BaseException:
-        if not best.is_file() or best.stat().st_ino == before:  # best.pt as it was: undo the second name
-            if early and before is not None:
-                keep.unlink(missing_ok=True)
-            if aside is not None:
-                aside.unlink(missing_ok=True)
+        try:
+            atomic_save(payload, best)
+        except BaseException:
+            if not best.is_file() or best.stat().st_ino == before:  # best.pt as it was: undo the second name
+                if early and before is not None:
+                    keep.unlink(missing_ok=True)
+                if aside is not None:
+                    aside.unlink(missing_ok=True)
+                raise
+            if aside is not None and aside.exists():  # written; only the directory's sync failed
+                os.replace(aside, keep)
             raise
-        if aside is not None and aside.exists():  # written; only the directory's sync failed
+        if aside is not None and aside.exists():
             os.replace(aside, keep)
-        raise
-    if aside is not None and aside.exists():
-        os.replace(aside, keep)
+    finally:
+        if held is not None:
+            held.close()
 
 
 def make_best(run_dir: Path, payload: dict[str, Any]) -> Path:

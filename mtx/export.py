@@ -10,6 +10,7 @@ into it, so a failed export leaves nothing behind.
 
 from __future__ import annotations
 
+import errno
 import functools
 import glob
 import json
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, normalizers
 
 from mtx import __version__
-from mtx.checkpoint import LoadedRun, left_by_dead_process
+from mtx.checkpoint import LoadedRun, abandoned, hold_new
 from mtx.config import QUANTIZATIONS
 from mtx.data import stripped
 from mtx.errors import MtxError, import_failed, named_os_errors
@@ -176,10 +177,39 @@ def _staging_tag() -> str:
 def _remove_dead_exports(directory: Path) -> None:
     """Remove the staging directories of this machine's exports whose process is gone: a kill -9,
     or a SIGTERM, which ends the process without unwinding its cleanup. Another machine's (a
-    shared filesystem) stay: whether its process lives cannot be told from here."""
+    shared filesystem) stay. An export holds a lock on its staging directory until it is renamed,
+    and one nobody holds is a dead export's (stop 66: the process id in its name decided, and
+    one of another PID namespace, a container's, was taken for alive or dead at random; it
+    decides where the file system has no locks)."""
     for path in directory.glob(f".*.partial-{glob.escape(socket.gethostname())}-*"):
-        if path.is_dir() and left_by_dead_process(path.name.rsplit("-", 1)[1]):
-            shutil.rmtree(path, ignore_errors=True)
+        if not path.is_dir():
+            continue
+        with abandoned(path, path.name.rsplit("-", 1)[1]) as gone:
+            if gone:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _make_staging(staging: Path) -> int | None:
+    """Make the staging directory `staging`, locked (`hold_new`): its open descriptor, to close
+    once the export is over, or None where the file system has no locks."""
+    for _ in range(5):
+        staging.mkdir()
+        try:
+            fd = os.open(staging, os.O_RDONLY)
+        except OSError:  # a system that opens no directory (Windows) has no `flock` either
+            return None
+        try:
+            held = hold_new(fd, staging)
+        except BaseException:
+            os.close(fd)
+            raise
+        if held:
+            return fd
+        os.close(fd)
+        if held is None:
+            return None
+        # removed by another export's cleaning before it was locked: made again
+    raise OSError(errno.EAGAIN, f"{staging.name} was removed 5 times as it was made")
 
 
 def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float32") -> Path:
@@ -209,8 +239,12 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
         _remove_dead_exports(out_dir.parent)
         staging = out_dir.parent / f".{out_dir.name}.{_staging_tag()}"
         shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-        _write_model(run, spec, staging, out_dir, quantization)
+        held = _make_staging(staging)
+        try:
+            _write_model(run, spec, staging, out_dir, quantization)
+        finally:
+            if held is not None:
+                os.close(held)
     return out_dir
 
 

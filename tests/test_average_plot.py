@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +137,110 @@ def test_a_new_best_killed_mid_save_loses_no_chosen_average(tmp_path: Path) -> N
     (ckpts / "best_single.pt").unlink()
     (ckpts / "best.pt").write_bytes(b"PK\x03\x04 torn")
     assert save_new_best(tmp_path, {"step": 90}) is None and _read(ckpts / "best.pt") == {"step": 90}
+
+
+# a process that holds `flock` on each file named, as a live writer does, until its stdin closes
+_HOLD = (
+    "import fcntl, sys\n"
+    "files = [open(p, 'rb') for p in sys.argv[1:]]\n"
+    "for f in files: fcntl.flock(f, fcntl.LOCK_EX)\n"
+    "print('held', flush=True)\n"
+    "sys.stdin.readline()\n"
+)
+
+
+def _run_checkpoints(tmp_path: Path) -> Path:
+    """A run's checkpoints/ (beside its config.yaml: every save there cleans it wholesale)."""
+    (tmp_path / "config.yaml").write_text("{}\n")
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    atomic_save({"step": 40}, ckpts / "best.pt")
+    return ckpts
+
+
+def test_a_live_writers_temporary_file_is_kept_whatever_its_pid_says(tmp_path: Path) -> None:
+    """stop 66: a temporary file was taken for a dead writer's by its process id alone, and a
+    writer in another PID namespace (another container, or host of a shared disk) has an id that
+    is not alive here: `mtx average` removed training's `.last.pt.tmp.PID` mid-save, and training
+    stopped. A file its writer holds locked is kept, the set-aside average too; once the writer
+    is gone, the next save removes the one and puts the other in place."""
+    ckpts = _run_checkpoints(tmp_path)
+    dead = 2**22 + 17  # above Linux's largest pid: no process here
+    writing, aside = ckpts / f".last.pt.tmp.{dead}", ckpts / f".best_average.pt.aside.tmp.{dead}"
+    average = {"step": 40, "averaged_from": ["step_30.pt", "step_40.pt"]}
+    atomic_save(average, aside)
+    writing.write_bytes(b"half a checkpoint")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(writing), str(aside)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        atomic_save({"step": 50}, ckpts / "step_50.pt")
+        assert clean_stale_tmp(ckpts) == [] and writing.read_bytes() == b"half a checkpoint"
+        assert _read(aside) == average and not (ckpts / "best_average.pt").exists()
+    finally:
+        holder.communicate(b"\n", timeout=60)
+    atomic_save({"step": 60}, ckpts / "step_60.pt")
+    assert not writing.exists() and not aside.exists() and _read(ckpts / "best_average.pt") == average
+
+
+def test_a_dead_writers_temporary_file_goes_whatever_its_pid_says(tmp_path: Path) -> None:
+    """stop 66: a dead writer whose process id is alive here (in a container mtx is PID 1, which
+    always is) left its temporary file for ever, and a set-aside chosen average stayed hidden. A
+    file nobody holds locked is a dead writer's, even one named after this very process."""
+    ckpts = _run_checkpoints(tmp_path)
+    average = {"step": 40, "averaged_from": ["step_30.pt", "step_40.pt"]}
+    atomic_save(average, ckpts / ".best_average.pt.aside.tmp.1")
+    for pid in (1, os.getppid(), os.getpid()):
+        (ckpts / f".ema.pt.tmp.{pid}").write_bytes(b"half a checkpoint")
+    atomic_save({"step": 50}, ckpts / "step_50.pt")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best.pt", "best_average.pt", "step_50.pt"]
+    assert _read(ckpts / "best_average.pt") == average
+
+
+def test_a_writers_temporary_file_removed_before_it_was_locked_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cleaner can lock and remove a writer's new temporary file before the writer locks it: the
+    writer sees that its name is gone and makes it again (a save and best.pt's second name)."""
+    ckpts = _run_checkpoints(tmp_path)
+    flock, taken = fcntl.flock, []
+
+    def cleaner_first(fd: int, op: int) -> None:
+        for path in ckpts.glob(".*.tmp.*"):  # the first temporary file locked is removed just before
+            if len(taken) < 2 and path.name not in taken and path.stat().st_ino == os.fstat(fd).st_ino:
+                taken.append(path.name)
+                path.unlink()
+        flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", cleaner_first)
+    atomic_save({"step": 50}, ckpts / "step_50.pt")
+    make_best(tmp_path, {"step": 50, "averaged_from": ["step_40.pt", "step_50.pt"]})
+    assert taken == [f".step_50.pt.tmp.{os.getpid()}", f".best_single.pt.tmp.{os.getpid()}"]
+    assert _read(ckpts / "step_50.pt") == {"step": 50} and _read(ckpts / "best_single.pt") == {"step": 40}
+    assert _read(ckpts / "best.pt")["averaged_from"] == ["step_40.pt", "step_50.pt"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best.pt", "best_single.pt", "step_50.pt"]
+
+
+def test_without_flock_the_pid_decides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the file system has no `flock` (some network file systems), a temporary file's
+    process id decides as before stop 66: a dead one's goes, a live one's stays."""
+    ckpts = _run_checkpoints(tmp_path)
+
+    def no_locks(fd: int, op: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):  # the run directory's lock (make_best's)
+            return flock(fd, op)
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    flock = fcntl.flock
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    dead, alive = ckpts / f".last.pt.tmp.{2**22 + 17}", ckpts / f".last.pt.tmp.{os.getppid()}"
+    for path in (dead, alive):
+        path.write_bytes(b"half a checkpoint")
+    atomic_save({"step": 50}, ckpts / "step_50.pt")
+    make_best(tmp_path, {"step": 50, "averaged_from": ["step_40.pt", "step_50.pt"]})
+    assert sorted(p.name for p in ckpts.iterdir()) == [alive.name, "best.pt", "best_single.pt", "step_50.pt"]
 
 
 def test_a_failed_or_interrupted_choice_leaves_best_pt_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -123,22 +123,34 @@ def test_exported_model_decodes_what_mtx_decodes(tiny_run: Path, small_data: Pat
 
 def test_export_command_and_its_refusals(tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # what a killed export leaves (SIGTERM and kill -9 skip its cleanup) goes; a running one's stays
-    # (another machine's, on a shared filesystem, stays too: whether its process lives is unknown here)
+    # (another machine's, on a shared filesystem, stays too: whether its process lives is unknown here).
+    # A running export holds a lock on its staging directory: stop 66, the process id in its name
+    # decided, and another PID namespace's (a container's) is alive or dead here at random
     gone = subprocess.Popen(["true"])
     gone.wait()
     host = socket.gethostname()
     (tmp_path / f".old.partial-{host}-{gone.pid}").mkdir()
     (tmp_path / f".old.partial-{host}-{gone.pid}" / "model.bin").write_bytes(b"x" * 1000)
-    busy = subprocess.Popen(["sleep", "600"])  # another export that still runs (not this process: the export runs here)
-    kept = [f".busy.partial-{host}-{busy.pid}", f".other.partial-elsewhere-{gone.pid}"]
+    (tmp_path / f".container.partial-{host}-1").mkdir()  # a killed export that was PID 1 in its container
+    kept = [f".busy.partial-{host}-{gone.pid}", f".other.partial-elsewhere-{gone.pid}"]
     for name in kept:
         (tmp_path / name).mkdir()
+    hold = (
+        "import fcntl, os, sys\n"
+        "fcntl.flock(os.open(sys.argv[1], os.O_RDONLY), fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    # another export that still runs, in another container: its pid is not alive here
+    busy = subprocess.Popen(
+        [sys.executable, "-c", hold, str(tmp_path / kept[0])], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert busy.stdout is not None and busy.stdout.readline() == b"held\n"
     r = mtx_here(
         monkeypatch, "export", "--run", str(tiny_run), "--out", str(tmp_path / "ct2"), "--quantization", "int8"
     )
     assert r.returncode == 0, r.stderr.decode()
-    busy.kill()
-    busy.wait()
+    busy.communicate(b"\n", timeout=60)
     assert sorted(p.name for p in tmp_path.glob(".*partial*")) == sorted(kept)
     for name in kept:
         (tmp_path / name).rmdir()
