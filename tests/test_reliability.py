@@ -650,6 +650,7 @@ def test_full_disks_read_only_disks_and_unreadable_files_are_named_in_one_line(
     with monkeypatch.context() as m:
         m.setattr(Path, "unlink", read_only)
         m.setattr("builtins.open", no_open)
+        m.setattr(os, "open", no_open)  # (stop 66: the temporary file is made locked, through os.open)
         with pytest.raises(CheckpointError, match=r"^.*/last.pt: cannot write \(Read-only file system\); the previous"):
             ckpt_io.atomic_save({"step": 2}, path)
 
