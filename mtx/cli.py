@@ -733,7 +733,7 @@ def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> Non
     nearest = next(d for d in (target.parent, *target.parent.parents) if d.exists())
     if not os.access(nearest, os.W_OK | os.X_OK):
         raise MtxError(
-            f"the hypotheses file {output}: cannot write to {output.parent}; pass --output with a writable path"
+            f"the hypotheses file {output}: cannot write to {target.parent}; pass --output with a writable path"
         )
 
 
