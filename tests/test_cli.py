@@ -369,20 +369,9 @@ def test_eval_shows_a_progress_bar_on_a_terminal_only(
     assert main([*args, "--output", str(tmp_path / "a.en")]) == 0
     plain = capsys.readouterr()
     assert "decoding" not in plain.err
-    controller, terminal = pty.openpty()
-    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # tqdm needs a width
     command = [sys.executable, "-m", "mtx", *args, "--output", str(tmp_path / "b.en")]
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=terminal, cwd=REPO, env=_child_env())
-    os.close(terminal)
-    shown = b""
-    try:
-        while chunk := _read_terminal(controller):
-            shown += chunk
-        assert child.wait(timeout=120) == 0
-        scores = json.loads(child.stdout.read())  # type: ignore[union-attr]
-    finally:
-        child.kill()
-        os.close(controller)
+    shown, out = _on_a_terminal(command, columns=100)  # tqdm needs a width
+    scores = json.loads(out)
     assert shown.startswith(b"\rdecoding val:   0%") and b"/200 [" in shown and shown.endswith(b" \r")  # cleared
     assert {k: v for k, v in scores.items() if k != "hypotheses"} == {
         k: v for k, v in json.loads(plain.out).items() if k != "hypotheses"
@@ -392,21 +381,30 @@ def test_eval_shows_a_progress_bar_on_a_terminal_only(
 def test_training_on_a_terminal_of_no_width_logs_its_windows_as_lines(tmp_path: Path, mini_data: Path) -> None:
     """A pseudo-terminal never sized (`script`'s, some containers') reports 0 columns: tqdm drew
     a bar 0 characters wide, and the run showed no progress at all (stop 66)."""
-    controller, terminal = pty.openpty()  # 0 rows, 0 columns
     extra = ["train.max_steps=20", "train.eval_every=20", "train.log_every=10", "train.eval_sentences=10"]
     args = tiny_args(mini_data, tmp_path / "run", *(a for key in extra for a in ("--set", key)))
-    command = [sys.executable, "-m", "mtx", *args]
-    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=terminal, cwd=REPO, env=_child_env())
+    shown, _ = _on_a_terminal([sys.executable, "-m", "mtx", *args], columns=0)  # a terminal never sized
+    assert re.search(rb"step 10/20: loss [\d.]+, lr [\d.e+-]+, \d+ tgt tok/s", shown), shown.decode()
+
+
+def _on_a_terminal(command: list[str], columns: int) -> tuple[bytes, bytes]:
+    """What `command` showed on a terminal of `columns` as its standard error (0: one never sized),
+    and its standard output; it must succeed."""
+    controller, terminal = pty.openpty()
+    if columns:
+        fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=terminal, cwd=REPO, env=_child_env())
     os.close(terminal)
     shown = b""
     try:
         while chunk := _read_terminal(controller):
             shown += chunk
+        out = child.stdout.read()  # type: ignore[union-attr]
         assert child.wait(timeout=120) == 0
     finally:
         child.kill()
         os.close(controller)
-    assert re.search(rb"step 10/20: loss [\d.]+, lr [\d.e+-]+, \d+ tgt tok/s", shown), shown.decode()
+    return shown, out
 
 
 def _read_terminal(controller: int) -> bytes:
