@@ -715,6 +715,7 @@ class StopRequest:
 
     def __init__(self, announce: bool = True) -> None:
         self.signal: int | None = None
+        self.second: int | None = None  # a second signal, which stopped at once
         self.announce = announce
         self.at_once = False  # True: the first signal stops at once too (KeyboardInterrupt)
         self._old: dict[int, Any] = {}
@@ -726,6 +727,7 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signal is not None:  # a second Ctrl-C: stop now
+            self.second = signum
             raise KeyboardInterrupt
         self.signal = signum
         if self.at_once:  # setting up: nothing to save yet
@@ -1801,12 +1803,12 @@ class Trainer:
                 raise
             # a second signal: at once, without saving (stop 66: "mtx: interrupted" followed the
             # first signal's "saving a checkpoint and stopping", with nothing on what was kept)
-            name = signal.Signals(stop.signal).name
+            first, second = (signal.Signals(s).name for s in (stop.signal, stop.second or stop.signal))
+            which = f"a second {first}" if second == first else f"{second} after {first}"
             kept = f"last.pt is from step {self.saved_step}" if self.saved_step is not None else "nothing was saved"
             raise Interrupted(
-                f"training stopped at once by a second {name}, without saving; {kept}. "
-                f"Resume with: {self._resume_command()}",
-                stop.signal,
+                f"training stopped at once by {which}, without saving; {kept}. Resume with: {self._resume_command()}",
+                stop.second or stop.signal,
                 report=self.ranks.is_main,
             ) from None
         except RuntimeError as e:

@@ -912,6 +912,17 @@ def test_a_second_signal_stops_at_once_and_says_what_was_kept(
     monkeypatch.undo()
     assert main(["train", "--run-dir", str(run), "--resume"]) == 0
 
+    def terminated_then_interrupted(self: train_module.Trainer, metrics: object) -> bool:
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+        return validate(self, metrics)
+
+    monkeypatch.setattr(train_module.Trainer, "_evaluate", terminated_then_interrupted)
+    other = tmp_path / "other"
+    assert main(mini_args(mini_data, other, "--set", "train.max_steps=20", "--set", "train.eval_every=10")) == 130
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert "training stopped at once by SIGINT after SIGTERM, without saving; last.pt is from step 0." in last
+
 
 def test_kill_9_never_leaves_a_torn_checkpoint(tmp_path: Path, mini_data: Path) -> None:
     """SIGKILL while last.pt or a step checkpoint is being written, and between saves."""
