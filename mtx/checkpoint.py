@@ -22,6 +22,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import time
 import warnings
 import zipfile
@@ -266,6 +267,8 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], object], hold: bool =
         in_checkpoints = path.parent.name == "checkpoints" and (path.parent.parent / CONFIG_FILE).is_file()
         clean_stale_tmp(path.parent, None if in_checkpoints else path.name)
         f, held = _create_locked(tmp)
+        with contextlib.suppress(OSError):  # the file it replaces keeps its mode (stop 66: a 0600 file became 0644)
+            os.fchmod(f.fileno(), stat.S_IMODE(os.stat(path).st_mode))
         write(f)
         f.flush()
         os.fsync(f.fileno())
@@ -841,6 +844,17 @@ def check_best_changeable(run_dir: Path) -> None:
     training scored every candidate, then failed)."""
     with run_dir_lock(run_dir, _WHILE_TRAINING):
         pass
+
+
+def training_best_step(run_dir: Path) -> int | None:
+    """The step of training's own best single checkpoint: best.pt's, or best_single.pt's where a
+    chosen average holds best.pt (stop 66 review: an average of the same step passed for it)."""
+    ckpts = checkpoint_dir(run_dir)
+    top = _top_level(ckpts / BEST) if (ckpts / BEST).is_file() else None
+    if top is not None and _AVERAGE_KEYS.isdisjoint(top):
+        step = top.get("step")
+        return step if isinstance(step, int) else None
+    return saved_step(ckpts / BEST_SINGLE)
 
 
 def best_single(run_dir: Path) -> Path:

@@ -688,6 +688,10 @@ def _check_file_path(option: str, path: Path, what: str) -> None:
     regular file, is a one-line error."""
     if path.is_dir():
         raise MtxError(f"{option} {path} is a directory; give {what}")
+    try:
+        path.resolve()
+    except (OSError, RuntimeError):  # (stop 66 review: a traceback)
+        raise MtxError(f"{option} {path}: a loop of symbolic links; pass {option} with another path") from None
     if path.is_symlink() and not path.exists() and not path.resolve().parent.is_dir():
         # written through, the link would fail after the work (stop 61: after all the decoding)
         raise MtxError(f"{option} {path}: a symbolic link to {os.readlink(path)}, whose directory does not exist")
@@ -990,12 +994,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
 
 
+def zero_width_terminal(stream: Any) -> bool:
+    """Whether `stream` is a terminal that reports 0 columns (a pseudo-terminal never sized:
+    `script`'s, some containers'), where tqdm draws a bar 0 characters wide, nothing at all."""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns == 0
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's capture), closed
+        return False
+
+
 def _progress_bar(desc: str, total: int | None, show: bool = True) -> tqdm:
     """A tqdm bar of sentences on stderr, where stderr is a terminal (a log file gets none) and
-    `show`; it leaves no line behind."""
+    `show`; it leaves no line behind. A terminal of no width gets it 80 columns wide (stop 66)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=" sent", leave=False, disable=None if show else True)
+    size = {"ncols": 80, "nrows": 24} if zero_width_terminal(sys.stderr) else {}  # (0 rows: tqdm shows nothing)
+    return tqdm(total=total, desc=desc, unit=" sent", leave=False, disable=None if show else True, **size)
 
 
 def _interval(mean: float | None, ci: float | None) -> str:

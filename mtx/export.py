@@ -238,7 +238,11 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
     with parent_directories(out_dir), named_os_errors(str(out_dir)):
         _remove_dead_exports(out_dir.parent)
         staging = out_dir.parent / f".{out_dir.name}.{_staging_tag()}"
-        shutil.rmtree(staging, ignore_errors=True)
+        # this name's leftover, unless a live export holds it (stop 66: removed whoever held it, and
+        # two containers' exports can share a host name and a process id)
+        with abandoned(staging, str(os.getpid())) as gone:
+            if gone:
+                shutil.rmtree(staging, ignore_errors=True)
         held = _make_staging(staging)
         try:
             _write_model(run, spec, staging, out_dir, quantization)

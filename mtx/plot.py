@@ -248,11 +248,31 @@ def replaced_at(path: Path) -> Path | None:
     file it named short); None where it is opened and written as it is (a device, a pipe)."""
     if not written_through(path):
         return path
-    # (path.exists() and is_file() follow the link as the system does: /dev/stdout's magic link to
-    # a pipe exists, where the path `resolve` spells for it does not)
-    if path.is_symlink() and (path.is_file() or not path.exists()):
-        return path.resolve()
-    return None
+    if not path.is_symlink() or _through_descriptors(path):
+        return None
+    try:
+        target = path.resolve()
+    except (OSError, RuntimeError):  # a loop (refused earlier, by `_check_file_path`)
+        return None
+    if not path.exists():  # a link to a file to be made
+        return target
+    # (exists() and is_file() follow the link as the system does)
+    return target if path.is_file() and os.path.samefile(path, target) else None
+
+
+def _through_descriptors(path: Path) -> bool:
+    """Whether a link chain from `path` passes through /proc or /dev/fd: `/dev/stderr`, `/dev/fd/3`
+    name an open file, which a new file renamed over its name would not reach (stop 66 review: a
+    log given as `--output /dev/stderr 2>>log` was replaced, and a `TemporaryFile`'s descriptor got
+    nothing)."""
+    here = Path(os.path.abspath(path))
+    for _ in range(40):
+        if str(here).startswith(("/proc/", "/dev/fd/")):
+            return True
+        if not here.is_symlink():
+            return False
+        here = Path(os.path.abspath(here.parent / os.readlink(here)))
+    return True  # a chain this long (or a loop): left as it is
 
 
 def _image_path(out: Path, formats: Iterable[str]) -> Path:

@@ -786,6 +786,7 @@ class Trainer:
         # what a resume's changes do, said once training goes on (stop 66: a resume that trained
         # nothing logged them as taking effect "from now on", while config.yaml kept the old values)
         self.resume_notes: list[tuple[int, str]] = []
+        self.saved_with = {"step": False, "ema": False}  # last.pt's run made step checkpoints, ema.pt
         self.ranks = ranks = ranks or Ranks()
         self.saved_step: int | None = None  # step of the newest last.pt
         tc = cfg.train
@@ -1092,6 +1093,9 @@ class Trainer:
             raise CheckpointError(f"{path}: holds weights only (no {', '.join(missing)}); resuming needs a last.pt")
         _check_resumable(ckpt, path)
         _check_unchanged(ckpt["config"], self.cfg, path, "val_digest" in ckpt)
+        # what the validation at last.pt's step wrote beside it, by the settings it ran with
+        saved_keep = ckpt["config"].get("train", {}).get("keep_last")
+        self.saved_with = {"step": isinstance(saved_keep, int) and saved_keep > 0, "ema": "ema" in ckpt}
         ckpt_io.check_compatible(ckpt, path, self.vocab, self.model)
         self.model.load_state_dict(ckpt["model"])
         try:
@@ -1253,37 +1257,39 @@ class Trainer:
                 st.evals_without_gain += 1
         return new_best
 
-    def _save_step_files(self, new_best: bool) -> None:
+    def _save_step_files(self, new_best: bool, only: set[str] | None = None) -> None:
         """A validated step's files beside last.pt: step_N.pt (and the pruning of older ones),
-        ema.pt, and best.pt where the step is a new best. All are made from the state that last.pt
-        holds, and written after it, so that a save cut short (kill -9, a second Ctrl-C) leaves
-        none of them ahead of last.pt; `_complete_step_files` makes what is missing on resume
-        (stop 66: they were written first, and a resume that went another way kept a best.pt and
-        step checkpoints of steps the run never reached)."""
+        ema.pt, and best.pt where the step is a new best; with `only`, just those of "step",
+        "ema" and "best". All are made from the state that last.pt holds, and written after it,
+        so that a save cut short (kill -9, a second Ctrl-C) leaves none of them ahead of last.pt;
+        `_complete_step_files` makes what is missing on resume (stop 66: they were written first,
+        and a resume that went another way kept a best.pt and step checkpoints of steps the run
+        never reached)."""
         self._follow_run_dir()
         ckpts = ckpt_io.checkpoint_dir(self.run_dir)
         payload = self._payload(full=False)
         keep = self.cfg.train.keep_last
-        if keep:
+        if keep and (only is None or "step" in only):
             ckpt_io.atomic_save(payload, ckpts / f"step_{self.state.step}.pt")
         # 0 keeps none: a run resumed with keep_last 0 kept its earlier step checkpoints, which
         # `mtx average` then averaged as if they were the run's last (stop 61)
         steps = ckpt_io.step_checkpoints(self.run_dir)
         for old in steps[:-keep] if keep else steps:
             old.unlink()
-        if self.ema is not None:
+        if self.ema is not None and (only is None or "ema" in only):
             ckpt_io.atomic_save(
                 {**payload, "model": self.ema.model_state(), "ema_decay": self.ema.decay}, ckpts / "ema.pt"
             )
-        if new_best:
+        if new_best and (only is None or "best" in only):
             kept = ckpt_io.save_new_best(self.run_dir, payload)
             if kept is not None:
                 log.info("best.pt held an average chosen after training; it is kept as %s", kept)
 
     def _complete_step_files(self) -> None:
-        """On resume at a validated step: the step files a save cut short after last.pt did not
-        write, made again from last.pt's state; step checkpoints of later steps (another course,
-        cut short) go."""
+        """On resume at a validated step: the files its validation writes after last.pt, by the
+        settings it ran with, where a save cut short did not write them, made again from last.pt's
+        state; step checkpoints of later steps (another course, cut short) go. A setting changed on
+        resume (train.ema, keep_last) makes nothing here: its files come with the next validation."""
         st, ckpts = self.state, ckpt_io.checkpoint_dir(self.run_dir)
         ahead = [p for p in ckpt_io.step_checkpoints(self.run_dir) if ckpt_io.step_number(p) > st.step]
         for path in ahead:
@@ -1295,14 +1301,15 @@ class Trainer:
             return
         step_file = ckpts / f"step_{st.step}.pt"
         missing = {
-            step_file.name: bool(self.cfg.train.keep_last) and not step_file.is_file(),
-            "ema.pt": self.ema is not None and ckpt_io.saved_step(ckpts / "ema.pt") != st.step,
-            "best.pt": st.best_step == st.step and ckpt_io.saved_step(ckpt_io.best_single(self.run_dir)) != st.step,
+            "step": self.saved_with["step"] and bool(self.cfg.train.keep_last) and not step_file.is_file(),
+            "ema": self.saved_with["ema"] and self.ema is not None and ckpt_io.saved_step(ckpts / "ema.pt") != st.step,
+            "best": st.best_step == st.step and ckpt_io.training_best_step(self.run_dir) != st.step,
         }
+        names = {"step": step_file.name, "ema": "ema.pt", "best": "best.pt"}
         if any(missing.values()):
-            made = ", ".join(name for name, gone in missing.items() if gone)
+            made = ", ".join(names[key] for key, gone in missing.items() if gone)
             log.warning("the save of step %d was cut short after last.pt: %s made again from it", st.step, made)
-            self._save_step_files(new_best=missing["best.pt"])
+            self._save_step_files(new_best=missing["best"], only={key for key, gone in missing.items() if gone})
 
     # -- one update ------------------------------------------------------------------------
     def _micro_batches(self) -> Iterator[list[Batch]]:
@@ -1636,6 +1643,24 @@ class Trainer:
         if stop is None:
             with StopRequest() as own:
                 return self.fit(own)
+        try:
+            return self._fit(stop)
+        except KeyboardInterrupt:
+            if stop.signal is None:
+                raise
+            # a second signal: at once, without saving (stop 66: "mtx: interrupted" followed the
+            # first signal's "saving a checkpoint and stopping", with nothing on what was kept)
+            first, second = (signal.Signals(s).name for s in (stop.signal, stop.second or stop.signal))
+            which = f"a second {first}" if second == first else f"{second} after {first}"
+            kept = f"last.pt is from step {self.saved_step}" if self.saved_step is not None else "nothing was saved"
+            raise Interrupted(
+                f"training stopped at once by {which}, without saving; {kept}. Resume with: {self._resume_command()}",
+                stop.second or stop.signal,
+                report=self.ranks.is_main,
+            ) from None
+
+    def _fit(self, stop: StopRequest) -> TrainState:
+        """`fit`'s work, a second stop signal aside."""
         tc = self.cfg.train
         st = self.state
         limit = None
@@ -1649,7 +1674,9 @@ class Trainer:
             # between validations, resumed with its limit lowered to where it stopped, validates that
             # step as an ending run does (stop 54: no best.pt, and a best val BLEU of -1.0 printed)
             if limit is not None and st.validated_step == st.step:
-                kept = " (nothing changed: the run keeps its config.yaml)" if self.resume_notes else ""
+                kept = (
+                    " (the --set changes were not applied: the run keeps its config.yaml)" if self.resume_notes else ""
+                )
                 log.info("done: the run already reached %s, at step %d; raise it to train on%s", limit, st.step, kept)
                 return st
             for level, note in self.resume_notes:
@@ -1704,6 +1731,8 @@ class Trainer:
         if main and limit is None:
             self._warn_of_settings()
         metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") if main else None
+        from mtx.cli import zero_width_terminal
+
         bar = progress_bar(
             (lambda: 60 * tc.max_minutes - st.elapsed) if tc.max_minutes else None,
             total=tc.max_steps,
@@ -1715,7 +1744,7 @@ class Trainer:
             # carriage-return updates filled such a log, one a second); a line per log window instead,
             # as on a terminal that reports no width (stop 66: `script`'s, some containers'), where
             # tqdm drew a bar 0 characters wide and the run showed no progress at all
-            disable=None if main and not _zero_width_terminal(sys.stderr) else True,
+            disable=None if main and not zero_width_terminal(sys.stderr) else True,
             file=UntilReaderGone(sys.stderr),
         )
         window_start = time.perf_counter()  # of this session's part of the log window (st.window_*)
@@ -1798,19 +1827,6 @@ class Trainer:
             if st.validated_step != st.step:  # stopped between validations
                 self._evaluate(metrics)
                 st.elapsed += time.perf_counter() - last_time
-        except KeyboardInterrupt:
-            if stop.signal is None:
-                raise
-            # a second signal: at once, without saving (stop 66: "mtx: interrupted" followed the
-            # first signal's "saving a checkpoint and stopping", with nothing on what was kept)
-            first, second = (signal.Signals(s).name for s in (stop.signal, stop.second or stop.signal))
-            which = f"a second {first}" if second == first else f"{second} after {first}"
-            kept = f"last.pt is from step {self.saved_step}" if self.saved_step is not None else "nothing was saved"
-            raise Interrupted(
-                f"training stopped at once by {which}, without saving; {kept}. Resume with: {self._resume_command()}",
-                stop.second or stop.signal,
-                report=self.ranks.is_main,
-            ) from None
         except RuntimeError as e:
             if out_of_memory(e):
                 # (stop 63: a batch too large for the device was a 30-line traceback, with no word
@@ -2321,14 +2337,6 @@ _PER_MACHINE = frozenset({"data.dir", "train.threads"})
 def _flat(tree: dict[str, Any]) -> dict[str, Any]:
     """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}."""
     return {f"{section}.{key}": value for section, keys in tree.items() for key, value in keys.items()}
-
-
-def _zero_width_terminal(stream: Any) -> bool:
-    """Whether `stream` is a terminal that reports 0 columns (a pseudo-terminal never sized)."""
-    try:
-        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns == 0
-    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's capture), closed
-        return False
 
 
 def progress_bar(seconds_left: Callable[[], float] | None, **options: Any) -> Any:

@@ -17,6 +17,7 @@ import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import termios
 import threading
 import time
@@ -385,6 +386,35 @@ def test_training_on_a_terminal_of_no_width_logs_its_windows_as_lines(tmp_path: 
     args = tiny_args(mini_data, tmp_path / "run", *(a for key in extra for a in ("--set", key)))
     shown, _ = _on_a_terminal([sys.executable, "-m", "mtx", *args], columns=0)  # a terminal never sized
     assert re.search(rb"step 10/20: loss [\d.]+, lr [\d.e+-]+, \d+ tgt tok/s", shown), shown.decode()
+    # eval's bar is drawn 80 columns wide there
+    evaluate = ["eval", "--run", str(tmp_path / "run"), "--split", "val", "--beam", "1"]
+    evaluate += ["--output", str(tmp_path / "hyps.en")]
+    shown, _ = _on_a_terminal([sys.executable, "-m", "mtx", *evaluate], columns=0)
+    assert b"decoding val:" in shown, shown.decode()
+
+
+def test_outputs_through_descriptors_are_written_through_and_links_keep_modes(tmp_path: Path) -> None:
+    """/dev/stderr and /dev/fd/N name an open file that a new file renamed over its name would not
+    reach (a TemporaryFile's descriptor got nothing); a file replaced keeps its mode (a 0600 file
+    became 0644); a loop of links is one line, not a traceback (stop 66 review)."""
+    from mtx.checkpoint import atomic_write_text
+    from mtx.plot import replaced_at
+
+    with tempfile.TemporaryFile(dir=tmp_path) as f:
+        assert replaced_at(Path(f"/dev/fd/{f.fileno()}")) is None
+    assert replaced_at(Path("/dev/stderr")) is None
+    private = tmp_path / "private.en"
+    private.write_text("old\n")
+    private.chmod(0o600)
+    (tmp_path / "link.en").symlink_to(private)
+    target = replaced_at(tmp_path / "link.en")
+    assert target == private
+    atomic_write_text(target, "new\n")
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600 and private.read_text() == "new\n"
+    (tmp_path / "a.en").symlink_to(tmp_path / "b.en")
+    (tmp_path / "b.en").symlink_to(tmp_path / "a.en")
+    with pytest.raises(MtxError, match="a.en: a loop of symbolic links; pass --output with another path$"):
+        _check_output(tmp_path / "a.en", {})
 
 
 def _on_a_terminal(command: list[str], columns: int) -> tuple[bytes, bytes]:

@@ -832,6 +832,21 @@ def test_a_save_cut_short_after_last_pt_is_completed_on_resume(
         assert a["step"] == b["step"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), name
 
 
+def test_a_setting_changed_on_resume_is_not_taken_for_a_save_cut_short(
+    tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train.ema or keep_last turned on at a resume made ema.pt (the current weights labelled a
+    moving average) or a step checkpoint, with a warning that a save had been cut short (stop 66
+    review)."""
+    run = tmp_path / "run"
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=10", "--set", "train.keep_last=0")) == 0
+    capsys.readouterr()
+    resume = ["train", "--run-dir", str(run), "--resume", "--set", "train.ema=0.9", "--set", "train.keep_last=2"]
+    assert main(resume) == 0
+    assert "cut short" not in capsys.readouterr().err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
+
+
 def test_the_final_line_names_where_a_moved_run_directory_went(
     tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -922,6 +937,20 @@ def test_a_second_signal_stops_at_once_and_says_what_was_kept(
     assert main(mini_args(mini_data, other, "--set", "train.max_steps=20", "--set", "train.eval_every=10")) == 130
     last = capsys.readouterr().err.splitlines()[-1]
     assert "training stopped at once by SIGINT after SIGTERM, without saving; last.pt is from step 0." in last
+    # and outside the loop: in the first save of a new run (stop 66 review: still "mtx: interrupted")
+    monkeypatch.undo()
+    save = train_module.Trainer.save
+
+    def interrupted_in_first_save(self: train_module.Trainer) -> None:
+        if self.state.step == 0:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+        save(self)
+
+    monkeypatch.setattr(train_module.Trainer, "save", interrupted_in_first_save)
+    assert main(mini_args(mini_data, tmp_path / "third", "--set", "train.max_steps=2")) == 130
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert "training stopped at once by a second SIGINT, without saving; nothing was saved. Resume with" in last
 
 
 def test_kill_9_never_leaves_a_torn_checkpoint(tmp_path: Path, mini_data: Path) -> None:

@@ -820,7 +820,7 @@ def test_a_resume_logs_every_key_it_changes(tmp_path: Path, mini_data: Path) -> 
     log = (run / "train.log").read_text().splitlines()
     assert not any("0.02 from now on" in line for line in log) and log[-1].endswith(
         "done: the run already reached train.max_steps=3, at step 3; raise it to train on "
-        "(nothing changed: the run keeps its config.yaml)"
+        "(the --set changes were not applied: the run keeps its config.yaml)"
     )
 
 
