@@ -1855,18 +1855,19 @@ class Trainer:
                     f"Resume with: {self._resume_command()} --set train.batch_tokens=N{after}"
                 ) from None
             if self.ranks.world_size > 1 and _peer_lost(e):
-                # (stop 62: rank 0 printed gloo's 28-line traceback, and nothing on what was kept)
-                raise MtxError(
-                    f"another process of this torchrun job ended ({_first_line(e)}); the run is kept as "
-                    f"last.pt saved it at step {self.saved_step}. Resume with: {self._resume_command()}"
-                ) from None
+                raise self._peer_lost_error(e) from None
             raise
         finally:
             bar.close()
             if metrics is not None:
                 with named_os_errors(metrics.name):
                     metrics.close()
-        self.save()
+        try:
+            self.save()
+        except RuntimeError as e:  # (stop 66: rank 0 failing in the last validation's files left rank 1 here)
+            if self.ranks.world_size > 1 and _peer_lost(e):
+                raise self._peer_lost_error(e) from None
+            raise
         if stop.signal is not None:  # it came in the last step or validation: nothing was left to stop
             log.info("%s came as the run was ending: it is complete", signal.Signals(stop.signal).name)
         log.info(
@@ -1878,6 +1879,14 @@ class Trainer:
             st.elapsed,
         )
         return st
+
+    def _peer_lost_error(self, error: BaseException) -> MtxError:
+        """The one line for a collective that failed because another rank's process ended (stop
+        62: rank 0 printed gloo's 28-line traceback, and nothing on what was kept)."""
+        return MtxError(
+            f"another process of this torchrun job ended ({_first_line(error)}); the run is kept as "
+            f"last.pt saved it at step {self.saved_step}. Resume with: {self._resume_command()}"
+        )
 
     def _warn_of_settings(self) -> None:
         """Say once, as training starts, where settings train otherwise than they read: a dropout
