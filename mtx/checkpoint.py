@@ -85,7 +85,11 @@ def step_number(path: Path) -> int:
 
 def saved_step(path: Path) -> int | None:
     """The step a checkpoint was saved at; None where there is none or it cannot be read."""
-    top = _top_level(path) if path.is_file() else None
+    return _step_of(_top_level(path) if path.is_file() else None)
+
+
+def _step_of(top: dict[str, Any] | None) -> int | None:
+    """The step of a checkpoint's top level (`_top_level`), or None."""
     step = top.get("step") if top is not None else None
     return step if isinstance(step, int) else None
 
@@ -852,8 +856,7 @@ def training_best_step(run_dir: Path) -> int | None:
     ckpts = checkpoint_dir(run_dir)
     top = _top_level(ckpts / BEST) if (ckpts / BEST).is_file() else None
     if top is not None and _AVERAGE_KEYS.isdisjoint(top):
-        step = top.get("step")
-        return step if isinstance(step, int) else None
+        return _step_of(top)
     return saved_step(ckpts / BEST_SINGLE)
 
 

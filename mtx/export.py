@@ -236,14 +236,11 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
     # a failed export leaves neither the directories it made nor its staging directory, and its
     # error names --out (stop 62: a full disk was "File too large" alone, the parents were left)
     with parent_directories(out_dir), named_os_errors(str(out_dir)):
+        # this export's own name included (stop 66: it was removed whoever held it, and two
+        # containers' exports can share a host name and a process id)
         _remove_dead_exports(out_dir.parent)
         staging = out_dir.parent / f".{out_dir.name}.{_staging_tag()}"
-        # this name's leftover, unless a live export holds it (stop 66: removed whoever held it, and
-        # two containers' exports can share a host name and a process id)
-        with abandoned(staging, str(os.getpid())) as gone:
-            if gone:
-                shutil.rmtree(staging, ignore_errors=True)
-        held = _make_staging(staging)
+        held = _make_staging(staging)  # a leftover of its name went above, unless a live export holds it
         try:
             _write_model(run, spec, staging, out_dir, quantization)
         finally:

@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext, suppress
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
@@ -1257,30 +1257,29 @@ class Trainer:
                 st.evals_without_gain += 1
         return new_best
 
-    def _save_step_files(self, new_best: bool, only: set[str] | None = None) -> None:
-        """A validated step's files beside last.pt: step_N.pt (and the pruning of older ones),
-        ema.pt, and best.pt where the step is a new best; with `only`, just those of "step",
-        "ema" and "best". All are made from the state that last.pt holds, and written after it,
-        so that a save cut short (kill -9, a second Ctrl-C) leaves none of them ahead of last.pt;
-        `_complete_step_files` makes what is missing on resume (stop 66: they were written first,
-        and a resume that went another way kept a best.pt and step checkpoints of steps the run
-        never reached)."""
+    def _save_step_files(self, which: Collection[str]) -> None:
+        """A validated step's files beside last.pt, those of `which` ("step": step_N.pt, "ema":
+        ema.pt, "best": best.pt, at a new best), and the pruning of older step checkpoints. All
+        are made from the state that last.pt holds, and written after it, so that a save cut short
+        (kill -9, a second Ctrl-C) leaves none of them ahead of last.pt; `_complete_step_files`
+        makes what is missing on resume (stop 66: they were written first, and a resume that went
+        another way kept a best.pt and step checkpoints of steps the run never reached)."""
         self._follow_run_dir()
         ckpts = ckpt_io.checkpoint_dir(self.run_dir)
         payload = self._payload(full=False)
         keep = self.cfg.train.keep_last
-        if keep and (only is None or "step" in only):
+        if keep and "step" in which:
             ckpt_io.atomic_save(payload, ckpts / f"step_{self.state.step}.pt")
         # 0 keeps none: a run resumed with keep_last 0 kept its earlier step checkpoints, which
         # `mtx average` then averaged as if they were the run's last (stop 61)
         steps = ckpt_io.step_checkpoints(self.run_dir)
         for old in steps[:-keep] if keep else steps:
             old.unlink()
-        if self.ema is not None and (only is None or "ema" in only):
+        if self.ema is not None and "ema" in which:
             ckpt_io.atomic_save(
                 {**payload, "model": self.ema.model_state(), "ema_decay": self.ema.decay}, ckpts / "ema.pt"
             )
-        if new_best and (only is None or "best" in only):
+        if "best" in which:
             kept = ckpt_io.save_new_best(self.run_dir, payload)
             if kept is not None:
                 log.info("best.pt held an average chosen after training; it is kept as %s", kept)
@@ -1309,7 +1308,7 @@ class Trainer:
         if any(missing.values()):
             made = ", ".join(names[key] for key, gone in missing.items() if gone)
             log.warning("the save of step %d was cut short after last.pt: %s made again from it", st.step, made)
-            self._save_step_files(new_best=missing["best"], only={key for key, gone in missing.items() if gone})
+            self._save_step_files([key for key, gone in missing.items() if gone])
 
     # -- one update ------------------------------------------------------------------------
     def _micro_batches(self) -> Iterator[list[Batch]]:
@@ -2057,7 +2056,7 @@ class Trainer:
         out_of_patience = self._from_main(out_of_patience)
         self.save()
         if result is not None:
-            self._save_step_files(new_best)
+            self._save_step_files(["step", "ema", "best"] if new_best else ["step", "ema"])
         return out_of_patience
 
 

@@ -807,10 +807,10 @@ def test_a_save_cut_short_after_last_pt_is_completed_on_resume(
     assert main(mini_args(mini_data, straight, *common, "--set", "train.max_steps=20")) == 0
     files = train_module.Trainer._save_step_files
 
-    def killed_at_10(trainer: train_module.Trainer, new_best: bool) -> None:
+    def killed_at_10(trainer: train_module.Trainer, which: list[str]) -> None:
         if trainer.state.step == 10:
             raise RuntimeError("killed")
-        files(trainer, new_best)
+        files(trainer, which)
 
     monkeypatch.setattr(train_module.Trainer, "_save_step_files", killed_at_10)
     with pytest.raises(RuntimeError, match="killed"):
