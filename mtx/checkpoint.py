@@ -46,6 +46,7 @@ try:
     import fcntl  # writers' locks on their temporary files (not on Windows: the process id decides)
 except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 FORMAT_VERSION = 1
 
@@ -166,24 +167,42 @@ def hold_new(fd: int, tmp: Path) -> bool | None:
         return False
 
 
-_TRIES = 5  # makings of a temporary file that a cleaner removed before its writer locked it
+_TRIES = 5  # makings of a temporary name that a cleaner removed before its maker locked it
 
 
-def _create_locked(tmp: Path) -> tuple[IO[bytes], bool]:
-    """`tmp` opened empty for writing, and whether this process holds its lock (`hold_new`)."""
+def make_held(name: Path, make: Callable[[], int | None]) -> tuple[int | None, bool]:
+    """Make the temporary name `name` with `make` and lock it for its maker (`hold_new`), made
+    again where a cleaner removed it before the lock was taken. `make` makes it (a file, a hard
+    link, a directory) and returns a descriptor open on it, or None where what it made cannot be
+    opened (no lock then). Returns that descriptor and whether it is locked (False: the file
+    system has no `flock`, and the process id in the name is the sign of life). One loop for the
+    three kinds of name (stop 67: each had its own)."""
     for _ in range(_TRIES):
-        # not truncated before it is locked: a live writer of the same name keeps its file
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        fd = make()
+        if fd is None:
+            return None, False
         try:
-            held = hold_new(fd, tmp)
-            if held is not False:
-                os.ftruncate(fd, 0)
-                return os.fdopen(fd, "wb"), bool(held)
+            held = hold_new(fd, name)
         except BaseException:
             os.close(fd)
             raise
+        if held is not False:
+            return fd, bool(held)
         os.close(fd)
-    raise OSError(errno.EAGAIN, f"{tmp.name} was removed {_TRIES} times as it was made")
+    raise OSError(errno.EAGAIN, f"{name.name} was removed {_TRIES} times as it was made")
+
+
+def _create_locked(tmp: Path) -> tuple[IO[bytes], bool]:
+    """`tmp` opened empty for writing, and whether this process holds its lock (`make_held`)."""
+    # not truncated before it is locked: a live writer of the same name keeps its file
+    fd, held = make_held(tmp, lambda: os.open(tmp, os.O_WRONLY | os.O_CREAT | _CLOEXEC, 0o666))
+    assert fd is not None  # os.open gives one
+    try:
+        os.ftruncate(fd, 0)
+        return os.fdopen(fd, "wb"), held
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 @contextlib.contextmanager
@@ -250,7 +269,8 @@ def clean_stale_tmp(directory: Path, name: str | None = None) -> list[Path]:
     return removed
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make `directory`'s entries (a rename's new name) survive a power cut."""
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -280,7 +300,7 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], object], hold: bool =
             f.close()
         os.replace(tmp, path)
         done = True
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         ok = True
     except OSError as e:
         raise CheckpointError(f"{path}: cannot write ({e.strerror or e}); {kept}") from None
@@ -730,32 +750,42 @@ def _link(src: Path, dst: Path, hold: bool = False) -> IO[bytes] | None:
             return None
         dst.unlink()  # a temporary name of this process id that no one holds: made again, locked
     tmp = dst.with_name(f".{dst.name}.tmp.{os.getpid()}")
-    for _ in range(_TRIES):
+
+    def make() -> int:
         tmp.unlink(missing_ok=True)
         try:
             os.link(src, tmp)
-        except OSError:
-            with open(src, "rb") as source:
-                return _atomic_write(dst, lambda out: shutil.copyfileobj(source, out), hold)
-        try:
-            f = open(tmp, "rb")  # noqa: SIM115 (held past this function)
-        except FileNotFoundError:  # a cleaner took it before it was locked
-            continue
-        try:
-            held = hold_new(f.fileno(), tmp)
-            if held is not False:
-                os.replace(tmp, dst)
-                if hold and held:
-                    return f
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            f.close()
-            raise
+        except OSError as e:
+            raise _NoHardLinks from e
+        return os.open(src, os.O_RDONLY | _CLOEXEC)  # the file `tmp` names (`make_held` checks it)
+
+    try:
+        fd, held = make_held(tmp, make)
+    except _NoHardLinks:
+        with open(src, "rb") as source:
+            return _atomic_write(dst, lambda out: shutil.copyfileobj(source, out), hold)
+    except BaseException:  # (a live holder of the file past `_LOCK_WAIT_S`): this name is not left behind
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    assert fd is not None  # `make` gives one
+    f = os.fdopen(fd, "rb")
+    try:
+        os.replace(tmp, dst)
+        fsync_dir(dst.parent)  # (stop 67: the new name could be lost to a power cut)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         f.close()
-        if held is not False:
-            return None
-    raise OSError(errno.EAGAIN, f"{tmp.name} was removed {_TRIES} times as it was made")
+        raise
+    if hold and held:
+        return f
+    f.close()
+    return None
+
+
+class _NoHardLinks(Exception):
+    """The file system makes no hard links (`_link` copies instead)."""
 
 
 def _average_in_best(ckpts: Path) -> bool:
@@ -823,6 +853,7 @@ def _save_best(ckpts: Path, payload: dict[str, Any], keep: Path | None) -> None:
             raise
         if aside is not None and aside.exists():
             os.replace(aside, keep)
+            fsync_dir(ckpts)  # (stop 67: the rename could be lost to a power cut)
     finally:
         if held is not None:
             held.close()
@@ -876,6 +907,7 @@ def restore_best_single(run_dir: Path) -> Path:
             if best.is_file():
                 _link(best, ckpts / BEST_AVERAGE)
             os.replace(single, best)
+            fsync_dir(ckpts)
     return best
 
 

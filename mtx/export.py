@@ -10,7 +10,6 @@ into it, so a failed export leaves nothing behind.
 
 from __future__ import annotations
 
-import errno
 import functools
 import glob
 import json
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, normalizers
 
 from mtx import __version__
-from mtx.checkpoint import LoadedRun, abandoned, hold_new
+from mtx.checkpoint import LoadedRun, abandoned, fsync_dir, make_held
 from mtx.config import QUANTIZATIONS
 from mtx.data import stripped
 from mtx.errors import MtxError, import_failed, named_os_errors
@@ -190,26 +189,21 @@ def _remove_dead_exports(directory: Path) -> None:
 
 
 def _make_staging(staging: Path) -> int | None:
-    """Make the staging directory `staging`, locked (`hold_new`): its open descriptor, to close
+    """Make the staging directory `staging`, locked (`make_held`): its open descriptor, to close
     once the export is over, or None where the file system has no locks."""
-    for _ in range(5):
+
+    def make() -> int | None:
         staging.mkdir()
         try:
-            fd = os.open(staging, os.O_RDONLY)
+            return os.open(staging, os.O_RDONLY)
         except OSError:  # a system that opens no directory (Windows) has no `flock` either
             return None
-        try:
-            held = hold_new(fd, staging)
-        except BaseException:
-            os.close(fd)
-            raise
-        if held:
-            return fd
+
+    fd, held = make_held(staging, make)
+    if fd is not None and not held:
         os.close(fd)
-        if held is None:
-            return None
-        # removed by another export's cleaning before it was locked: made again
-    raise OSError(errno.EAGAIN, f"{staging.name} was removed 5 times as it was made")
+        return None
+    return fd
 
 
 def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float32") -> Path:
@@ -249,6 +243,17 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
     return out_dir
 
 
+def _sync_files(directory: Path) -> None:
+    """Write `directory`'s files and their names to the disk (`fsync`)."""
+    for path in directory.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(directory)
+
+
 def _write_model(run: LoadedRun, spec: Any, staging: Path, out_dir: Path, quantization: str) -> None:
     """The model directory, written in `staging` and then renamed to `out_dir`."""
     try:
@@ -273,9 +278,11 @@ def _write_model(run: LoadedRun, spec: Any, staging: Path, out_dir: Path, quanti
             "restricted_output": run.model.output_ids is not None,
         }
         (staging / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        _sync_files(staging)  # (stop 67: a power cut after the rename could leave empty or torn files)
         if out_dir.exists():
             out_dir.rmdir()  # empty (checked above)
         staging.rename(out_dir)
+        fsync_dir(out_dir.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
