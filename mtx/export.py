@@ -10,6 +10,7 @@ into it, so a failed export leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import json
@@ -18,7 +19,7 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,21 @@ def _remove_dead_exports(directory: Path) -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _named_as_out(staging: Path, out_dir: Path) -> Iterator[None]:
+    """An error that names the staging directory, or a file in it, names its place in `out_dir`
+    instead: the user gave that name, and the staging one is gone once the error is shown (stop
+    63: a read-only run directory was "RUN/.ctranslate2-float32.partial-HOST-PID: Read-only file
+    system")."""
+    try:
+        yield
+    except OSError as e:
+        name = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes)) else None
+        if name is None or not (name == str(staging) or name.startswith(f"{staging}{os.sep}")):
+            raise
+        raise OSError(e.errno, e.strerror, str(out_dir) + name[len(str(staging)) :]) from None
+
+
 def _make_staging(staging: Path) -> int | None:
     """Make the staging directory `staging`, locked (`make_held`): its open descriptor, to close
     once the export is over, or None where the file system has no locks."""
@@ -229,11 +245,11 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
     spec.optimize(quantization=quantization)
     # a failed export leaves neither the directories it made nor its staging directory, and its
     # error names --out (stop 62: a full disk was "File too large" alone, the parents were left)
-    with parent_directories(out_dir), named_os_errors(str(out_dir)):
+    staging = out_dir.parent / f".{out_dir.name}.{_staging_tag()}"
+    with parent_directories(out_dir), named_os_errors(str(out_dir)), _named_as_out(staging, out_dir):
         # this export's own name included (stop 66: it was removed whoever held it, and two
         # containers' exports can share a host name and a process id)
         _remove_dead_exports(out_dir.parent)
-        staging = out_dir.parent / f".{out_dir.name}.{_staging_tag()}"
         held = _make_staging(staging)  # a leftover of its name went above, unless a live export holds it
         try:
             _write_model(run, spec, staging, out_dir, quantization)

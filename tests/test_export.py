@@ -271,3 +271,33 @@ def test_an_export_is_on_the_disk_before_its_name_is(
     synced = {name for kind, name in events[:renamed] if kind == "fsync"}
     assert synced == {p.name for p in out.iterdir()} | {staging}
     assert events[renamed + 1 :] == [("fsync", tmp_path.name), ("sync dir", tmp_path.name)]
+
+
+def test_an_export_error_names_the_place_the_user_gave_not_the_staging_folder(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop 63's open item: on a read-only run directory the error named the staging folder
+    (`RUN/.ctranslate2-float32.partial-HOST-PID: Read-only file system`), a name the user never
+    gave and that is gone once the error is shown. It names --out, and a file's place in it."""
+    mkdir, write_text = Path.mkdir, Path.write_text
+
+    def read_only(self: Path, *args: object, **kwargs: object) -> None:
+        if ".partial-" in self.name:
+            raise OSError(30, "Read-only file system", str(self))
+        mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    out = tmp_path / "ct2"
+    r = mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--out", str(out))
+    assert_one_line_error(r, f"mtx: error: {out}: Read-only file system")
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+
+    def no_room(self: Path, *args: object, **kwargs: object) -> int:
+        if self.name == "target_tokenizer.json":
+            raise OSError(28, "No space left on device", str(self))
+        return write_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", no_room)
+    r = mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--out", str(out))
+    assert_one_line_error(r, f"mtx: error: {out / 'target_tokenizer.json'}: No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
