@@ -1155,10 +1155,12 @@ def main(argv: list[str] | None = None) -> int:
             _error_line(f"mtx: {e.prefix}{e}")
         return e.exit_code
     except Terminated as e:
-        _error_line(f"mtx: stopped by {signal.Signals(e.signum).name}")
+        if _speaks_for_the_job(args):
+            _error_line(f"mtx: stopped by {signal.Signals(e.signum).name}")
         return 128 + e.signum
     except KeyboardInterrupt:
-        _error_line("mtx: interrupted")
+        if _speaks_for_the_job(args):
+            _error_line("mtx: interrupted")
         return 130
     except BrokenPipeError:
         return 141
@@ -1190,6 +1192,14 @@ def _stop_signals() -> Iterator[None]:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+def _speaks_for_the_job(args: argparse.Namespace | None) -> bool:
+    """Whether this process says that a signal stopped it: every rank of a torchrun job gets the
+    terminal's Ctrl-C, and rank 0 speaks for them all (stop 67: a signal before training took the
+    signals, in a job's first seconds, was reported once per rank)."""
+    rank = os.environ.get("RANK", "0").strip()
+    return args is None or args.command != "train" or not rank.isdigit() or int(rank) == 0
 
 
 def _error_line(line: str) -> None:

@@ -23,7 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from mtx.config import Config, load_config
 from mtx.data import Batch, ParallelIds, epoch_batches, plan_batches
-from mtx.errors import ConfigError, command_line, torchrun_command
+from mtx.errors import ConfigError, Terminated, command_line, torchrun_command
 from mtx.train import Ranks, Trainer, prepare_run_dir
 
 from .conftest import REPO, TINY_CONFIG, tiny_args
@@ -448,3 +448,30 @@ def test_a_rank_killed_leaves_one_line_on_what_was_kept(tmp_path: Path, mini_dat
     assert lines[0].startswith("mtx: error: another process of this torchrun job ended (")
     again = command_line(*TORCHRUN_RESUME, "--run-dir", run_dir, "--resume")
     assert lines[0].endswith(f"the run is kept as last.pt saved it at step {step}. Resume with: {again}")
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_stop_before_training_takes_the_signals_is_reported_by_rank_0_alone(
+    rank: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """stop 66's open item: every rank of a torchrun job gets the terminal's Ctrl-C, and one in
+    the job's first seconds (torch still importing, before training takes the signals) was
+    reported by each rank. Rank 0 speaks for the job, as it does later; other commands always speak."""
+    import mtx.cli
+
+    def stopped(args: object) -> int:
+        raise KeyboardInterrupt
+
+    def terminated(args: object) -> int:
+        raise Terminated(signal.SIGTERM)
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setitem(mtx.cli.COMMANDS, "train", stopped)
+    assert mtx.cli.main(["train", "--config", str(TINY_CONFIG)]) == 130
+    assert capsys.readouterr().err == ("mtx: interrupted\n" if rank == "0" else "")
+    monkeypatch.setitem(mtx.cli.COMMANDS, "train", terminated)
+    assert mtx.cli.main(["train", "--config", str(TINY_CONFIG)]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == ("mtx: stopped by SIGTERM\n" if rank == "0" else "")
+    monkeypatch.setitem(mtx.cli.COMMANDS, "translate", stopped)
+    assert mtx.cli.main(["translate", "--run", "r", "Hallo"]) == 130
+    assert capsys.readouterr().err == "mtx: interrupted\n"
