@@ -62,7 +62,12 @@ def warn_if_validating_on_train(cfg: DataConfig) -> None:
 
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
-_SHARED_COPIES = (Path("../shared/data/multi30k"), _REPO_ROOT.parent / "shared/data/multi30k")
+# the shared copy from the working directory, and beside the checkout that runs (an editable
+# install's; an installed package has no checkout around it)
+_SHARED_COPIES = (
+    Path("../shared/data/multi30k"),
+    *([_REPO_ROOT.parent / "shared/data/multi30k"] if (_REPO_ROOT / "pyproject.toml").is_file() else []),
+)
 
 
 def _find_split_file(data_dir: Path, split: str, lang: str) -> Path | None:
@@ -475,7 +480,9 @@ def resolve_data_dir(cfg: DataConfig) -> Path:
     # half-filled cache, only what it lacks
     everything = [(split, lang) for split in MULTI30K_SPLITS for lang in MULTI30K_LANGS]
     fetch = _missing(cache, everything) if cache.is_dir() and any(cache.iterdir()) else everything
-    places = f"$MTX_DATA_DIR, {_SHARED_COPIES[0] if _SHARED_COPIES else '../shared/data/multi30k'} or {cache}"
+    # every place looked in (stop 67: the copy beside the checkout, which `make` relies on, went unsaid)
+    shared = [str(path) for path in _SHARED_COPIES] or ["../shared/data/multi30k"]
+    places = f"{', '.join(['$MTX_DATA_DIR', *shared])} or {cache}"
     fix = f"put {_names(lacking)} (.gz or plain) into {places}, or set data.dir to a local copy"
     return download_multi30k(cache, fetch, fix).resolve()
 

@@ -330,6 +330,8 @@ def test_auto_data_completes_a_half_filled_cache_and_names_what_it_lacks(
     (train.en) passed as complete: every later run failed on a missing split and none fetched it.
     A wrong $MTX_DATA_DIR was passed over silently, for other data."""
     fake = multi30k_server
+    # the shared copies looked in, none there, are named (stop 67: the one beside the checkout was not)
+    monkeypatch.setattr("mtx.data._SHARED_COPIES", (Path("../no/copy"), tmp_path / "beside" / "multi30k"))
     cache = tmp_path / "cache" / "mtx" / "multi30k"
     cache.mkdir(parents=True)
     (cache / "train.en.gz").write_bytes((fake.server / "train.en.gz").read_bytes())
@@ -338,7 +340,8 @@ def test_auto_data_completes_a_half_filled_cache_and_names_what_it_lacks(
     with pytest.raises(DataError) as e:  # the fake serves de and en only: fr and cs fail to download
         resolve_data_dir(cfg)
     assert str(e.value).endswith(
-        f"put train.de, val.en (.gz or plain) into $MTX_DATA_DIR, ../shared/data/multi30k or {cache}, or set "
+        f"put train.de, val.en (.gz or plain) into $MTX_DATA_DIR, ../no/copy, {tmp_path / 'beside' / 'multi30k'} "
+        f"or {cache}, or set "
         "data.dir to a local copy"
     )
     for lang in ("fr", "cs"):
