@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import numpy as np
 import torch
 
+from mtx.checkpoint import fsync_dir
 from mtx.config import DataConfig, user_path
 from mtx.errors import DataError, not_found
 from mtx.tokenizer import BOS, BPE, EOS, PAD
@@ -409,10 +410,14 @@ def download_multi30k(
     for name, path in local.items():
         tmp = dest / f".{name}.{os.getpid()}.tmp"  # one per process: two fetching at once never share one
         try:
-            tmp.write_bytes(Path(path).read_bytes())
+            with open(tmp, "wb") as f:  # on the disk before its name is (stop 67: a power cut could leave it torn)
+                f.write(Path(path).read_bytes())
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, dest / name)
         finally:  # a full disk leaves no partial file behind
             tmp.unlink(missing_ok=True)
+    fsync_dir(dest)
     return dest
 
 

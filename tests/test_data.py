@@ -309,13 +309,24 @@ def test_batch_tensors_and_rank_shards() -> None:
     assert len(shards[0]) == len(shards[1]) == epoch_length(ids, 400, 1, 0, world_size=2)
 
 
-def test_auto_data_downloads_multi30k_once_into_the_cache(multi30k_server: FakeMulti30k, tmp_path: Path) -> None:
+def test_auto_data_downloads_multi30k_once_into_the_cache(
+    multi30k_server: FakeMulti30k, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake = multi30k_server
     for lang in ("fr", "cs"):  # the fake serves de and en only: add the rest, as the real server has them
         for split in ("train", "val", "test_2016_flickr"):
             (fake.server / f"{split}.{lang}.gz").write_bytes(gzip.compress(b"x\n"))
     cache = tmp_path / "cache" / "mtx" / "multi30k"
+    # each file is on the disk before its name, and the names after (stop 67: a power cut could tear them)
+    events: list[str] = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsync(fd), events.append("fsync")))
+    monkeypatch.setattr(os, "replace", lambda a, b: (replace(a, b), events.append(Path(b).name)))
     assert resolve_data_dir(DataConfig(dir="auto")) == cache.resolve()
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    # each file, then the folder
+    assert sorted(events[1::2]) == sorted(fake.requested) and events[0::2] == ["fsync"] * 13
     assert sorted(fake.requested) == sorted(
         f"{s}.{lang}.gz" for s in ("train", "val", "test_2016_flickr") for lang in ("en", "de", "fr", "cs")
     )
