@@ -458,10 +458,13 @@ def check_same_model(ckpt: dict[str, Any], path: Path, vocab: str, model_cfg: Mo
     saved_model = saved.get("model") if isinstance(saved, dict) else None
     if not isinstance(saved_model, dict):
         return  # (checked where the weights' shapes are)
+    default = dataclasses.asdict(ModelConfig())
     for key, value in dataclasses.asdict(model_cfg).items():
-        if "dropout" in key or key not in saved_model:  # dropout rates are the run's own to choose
+        if "dropout" in key:  # dropout rates are the run's own to choose
             continue
-        old = saved_model[key]
+        # a key an older mtx's checkpoint lacks was its default (stop 67: it was passed over, and a
+        # FixNorm run decoded an older run's checkpoint as a FixNorm one)
+        old = saved_model.get(key, default[key])
         if (list(old) if isinstance(old, tuple) else old) != (list(value) if isinstance(value, tuple) else value):
             raise CheckpointError(
                 f"{path}: the checkpoint was trained with model.{key}={shown(old)}, the run's config has {value!r}; "

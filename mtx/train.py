@@ -2325,13 +2325,15 @@ def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path, val_digest_
     """On resume, refuse --set changes to keys the weights, tokenizer, optimizer state or best.pt's
     comparisons depend on. Where last.pt keeps the val pairs' digest, it decides on
     train.eval_sentences (`_check_same_val`): 0 and 5,000 of 1,014 val pairs are the same pairs."""
-    now = to_dict(cfg)
+    now, default = to_dict(cfg), to_dict(Config())
     for section, keys in _FIXED_ON_RESUME.items():
         for key in keys:
             if val_digest_kept and (section, key) == ("train", "eval_sentences"):  # (stop 62: refused)
                 continue
-            old, new = saved.get(section, {}).get(key), now[section][key]
-            if old is not None and old != new:
+            # a key an older mtx's last.pt lacks trained as its default, as in `config_changes` (stop 67:
+            # it was passed over, and `--set model.fix_norm=true` turned FixNorm on for a trained model)
+            old, new = saved.get(section, {}).get(key, default[section][key]), now[section][key]
+            if old != new:
                 raise CheckpointError(
                     f"{path}: --resume cannot change {section}.{key} (the run was trained with {old!r}, "
                     f"now {new!r}); start a new run for that"

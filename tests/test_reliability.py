@@ -1608,6 +1608,34 @@ BAD_INPUTS: list[tuple[str, Callable[[Path, Path, Path], tuple[list[str], bytes 
         ("the checkpoint was trained with model.fix_norm=False, the run's config has True",),
     ),
     (
+        "checkpoint of an older mtx, before model.fix_norm, in a FixNorm run (stop 67: decoded as one)",
+        lambda t, d, r: (
+            [
+                "translate",
+                "--run",
+                str(_edit_run(_saved_without(r, t, "model", "fix_norm"), "fix_norm: false", "fix_norm: true")),
+                "x",
+            ],
+            None,
+        ),
+        ("the checkpoint was trained with model.fix_norm=False, the run's config has True",),
+    ),
+    (
+        "resume of an older mtx's run, before model.fix_norm, turning it on (stop 67: it trained on as FixNorm)",
+        lambda t, d, r: (
+            [
+                "train",
+                "--run-dir",
+                str(_saved_without(r, t, "model", "fix_norm")),
+                "--resume",
+                "--set",
+                "model.fix_norm=true",
+            ],
+            None,
+        ),
+        ("--resume cannot change model.fix_norm", "False", "True"),
+    ),
+    (
         "resume changing the model shape",
         _resumed_with("model.d_ff=256"),
         ("--resume cannot change model.d_ff", "128", "256"),
@@ -1766,10 +1794,23 @@ def _other_vocab(run: Path, tmp: Path, small_data: Path) -> Path:
     return copy
 
 
-def _other_setting(run: Path, tmp: Path, old: str, new: str) -> Path:
+def _saved_without(run: Path, tmp: Path, section: str, key: str) -> Path:
+    """A copy of `run` whose last.pt is an older mtx's, from before `section.key` existed."""
     copy = copy_run(run, tmp / "run")
-    _edit(copy / "config.yaml", old, new)
+    last = copy / "checkpoints" / "last.pt"
+    ckpt = load_weights_only(last)
+    del ckpt["config"][section][key]
+    torch.save(ckpt, last)
     return copy
+
+
+def _other_setting(run: Path, tmp: Path, old: str, new: str) -> Path:
+    return _edit_run(copy_run(run, tmp / "run"), old, new)
+
+
+def _edit_run(run: Path, old: str, new: str) -> Path:
+    _edit(run / "config.yaml", old, new)
+    return run
 
 
 def test_a_restricted_checkpoint_of_a_larger_vocabulary_is_a_one_line_error(
