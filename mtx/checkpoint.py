@@ -895,9 +895,15 @@ def training_best_step(run_dir: Path) -> int | None:
 
 
 def best_single(run_dir: Path) -> Path:
-    """Training's best single checkpoint: best_single.pt while a chosen average holds best.pt."""
-    single = checkpoint_dir(run_dir) / BEST_SINGLE
-    return single if single.is_file() else checkpoint_dir(run_dir) / BEST
+    """Training's best single checkpoint: best_single.pt while a chosen average holds best.pt, as
+    read from best.pt. A best_single.pt beside training's own best.pt is outdated (an mtx before
+    stop 53 left it when training saved a newer best; a `save_new_best` killed before removing
+    it): stop 67, choose_on_val took it for the start, and `--apply` replaced a better best.pt."""
+    best, single = checkpoint_dir(run_dir) / BEST, checkpoint_dir(run_dir) / BEST_SINGLE
+    if not (single.is_file() and best.is_file()):
+        return single if single.is_file() else best
+    top = _top_level(best)
+    return single if top is None or not _AVERAGE_KEYS.isdisjoint(top) else best
 
 
 def restore_best_single(run_dir: Path) -> Path:

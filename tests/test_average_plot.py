@@ -87,6 +87,23 @@ def _read(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
+def test_an_outdated_best_single_beside_trainings_own_best_is_not_the_best_single(tmp_path: Path) -> None:
+    """stop 67: an mtx before stop 53 left best_single.pt when training saved a newer best.pt
+    (as a `save_new_best` killed before removing it still can). best_single() returned it because
+    it existed: choose_on_val scored step 50's single as "the start" where best.pt was training's
+    step-200 best, and `--apply` replaced that better best.pt with an average, printing a gain.
+    Which file holds training's single is read from best.pt."""
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    atomic_save({"step": 200}, ckpts / "best.pt")  # training's own best, saved after the choice
+    atomic_save({"step": 50}, ckpts / "best_single.pt")  # the outdated single of the earlier choice
+    assert best_single(tmp_path) == ckpts / "best.pt"
+    atomic_save({"step": 50, "averaged_from": ["step_40.pt", "step_50.pt"]}, ckpts / "best.pt")
+    assert best_single(tmp_path) == ckpts / "best_single.pt"  # a chosen average holds best.pt
+    (ckpts / "best.pt").write_bytes(b"PK\x03\x04 torn")
+    assert best_single(tmp_path) == ckpts / "best_single.pt"  # unreadable: the names decide, as before
+
+
 def test_a_resumed_run_keeps_the_chosen_average_beside_its_new_best(tmp_path: Path) -> None:
     """best_single.pt exists only while a chosen average holds best.pt: training's next best
     moves the average to best_average.pt (before, it overwrote it, and a later --as-best kept
@@ -306,7 +323,7 @@ def test_a_spare_best_single_name_left_by_a_killed_choice_is_not_taken_for_an_av
     ckpts.mkdir()
     atomic_save({"step": 40}, ckpts / "best.pt")
     os.link(ckpts / "best.pt", ckpts / "best_single.pt")
-    assert best_single(tmp_path) == ckpts / "best_single.pt"  # either name holds the single
+    assert best_single(tmp_path).samefile(ckpts / "best_single.pt")  # either name holds the single
     make_best(tmp_path, {"step": 40, "averaged_from": ["step_30.pt", "step_40.pt"]})
     assert _read(ckpts / "best_single.pt") == {"step": 40} and not (ckpts / "best_average.pt").exists()
     restore_best_single(tmp_path)  # the average is kept; the single is best.pt again
