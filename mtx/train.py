@@ -76,7 +76,7 @@ from mtx.errors import (
 )
 from mtx.evaluate import corpus_scores
 from mtx.model import Dropout, Seq2Seq, make_src_mask
-from mtx.plot import parent_directories
+from mtx.plot import parent_directories, read_metrics
 from mtx.search import translate, translate_ids
 from mtx.tokenizer import BPE, PAD, UNK, load_run_tokenizers, tokenizer_paths, train_or_load
 
@@ -1103,8 +1103,8 @@ class Trainer:
             if ckpt["scaler"]:  # empty when saved without fp16: a run resumed in fp16 starts a fresh scaler
                 self.scaler.load_state_dict(ckpt["scaler"])
             self.state = TrainState(**ckpt["state"])
-            if "validated_step" not in ckpt["state"]:  # saved before stop 54: taken as validated
-                self.state.validated_step = self.state.step
+            if "validated_step" not in ckpt["state"]:  # saved before stop 54
+                self.state.validated_step = self._validated_before_54()
             if "patience_best_bleu" not in ckpt["state"]:  # saved before stop 62
                 self.state.patience_best_bleu = self.state.best_bleu
             if "epoch_ids" in ckpt and self.cfg.tokenizer.bpe_dropout:
@@ -1201,6 +1201,24 @@ class Trainer:
         log.info(
             "resumed from %s at step %d (epoch %d, batch %d)", path, self.state.step, self.state.epoch, self.state.batch
         )
+
+    def _validated_before_54(self) -> int:
+        """The last step validated, for a last.pt of an mtx before stop 54, which did not keep it:
+        the last "valid" record of metrics.jsonl up to last.pt's step. Such an mtx saved last.pt
+        at any step when a signal stopped it (stop 67: that step was taken as validated, a save
+        "cut short" was reported and an unvalidated step_N.pt made). Under DDP, or without a
+        readable metrics.jsonl, last.pt's step, as before: every rank must decide alike."""
+        step = self.state.step
+        if self.ranks.world_size > 1:
+            return step
+        try:
+            events = read_metrics(self.run_dir)
+        except (MtxError, OSError):
+            return step
+        valid = [
+            e["step"] for e in events if e.get("event") == "valid" and type(e.get("step")) is int and e["step"] <= step
+        ]
+        return max(valid, default=-1)
 
     def _trim_metrics(self) -> None:
         """Drop metrics logged after the restored step (they will be logged again), partial train

@@ -447,6 +447,29 @@ def test_a_last_pt_of_an_older_mtx_resumes_where_it_stopped(tmp_path: Path, mini
     assert "changed in the middle" not in (run / "train.log").read_text()
 
 
+def test_a_signal_stopped_last_pt_of_an_mtx_before_stop_54_is_validated_where_its_metrics_say(
+    tmp_path: Path, mini_data: Path
+) -> None:
+    """An mtx before stop 54 kept no validated_step, and saved last.pt at any step when a signal
+    stopped it. Stop 67: such a step was taken as validated, so a resume said "the save of step 3
+    was cut short after last.pt", made an unvalidated step_3.pt and skipped the last validation.
+    metrics.jsonl's "valid" records tell which steps were validated."""
+    run = tmp_path / "run"
+    sets = ["--set", "train.max_steps=3", "--set", "train.eval_every=2", "--set", "train.keep_last=5"]
+    assert main(mini_args(mini_data, run, *sets)) == 0
+    path, metrics = run / "checkpoints" / "last.pt", run / "metrics.jsonl"
+    ckpt = load_weights_only(path)
+    del ckpt["state"]["validated_step"]  # as an mtx before stop 54 saved it, stopped at step 3
+    torch.save(ckpt, path)
+    (run / "checkpoints" / "step_3.pt").unlink()
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(line for line in lines if not ('"valid"' in line and '"step": 3,' in line)))
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=3"]) == 0
+    assert "cut short" not in (run / "train.log").read_text()
+    valid = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"valid"' in line]
+    assert valid == [2, 3] and (run / "checkpoints" / "step_3.pt").is_file()  # step 3 validated now
+
+
 def test_a_last_pt_whose_training_state_is_malformed_is_one_line(
     tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
