@@ -894,6 +894,30 @@ def training_best_step(run_dir: Path) -> int | None:
     return saved_step(ckpts / BEST_SINGLE)
 
 
+def set_aside_best_ahead(run_dir: Path, last_step: int, best_step: int) -> tuple[Path, Path | None] | None:
+    """Where training's own best.pt is of a step beyond last.pt's (`last_step`), a course cut short
+    wrote it (an mtx before stop 66 saved best.pt before last.pt, and a kill in last.pt's write left
+    it ahead): it is renamed `best_ahead_step_N.pt`, kept but no longer taken for this run's best,
+    and the step checkpoint of the run's best (`best_step`) becomes best.pt where one is kept.
+    Returns (the new name, that step checkpoint or None), or None where best.pt is not ahead
+    (stop 67: a resume that went another way reported step 50's score as its best while best.pt
+    was the killed course's step 150)."""
+    ckpts = checkpoint_dir(run_dir)
+    best = ckpts / BEST
+    top = _top_level(best) if best.is_file() else None
+    step = _step_of(top) if top is not None and _AVERAGE_KEYS.isdisjoint(top) else None
+    if step is None or step <= last_step:
+        return None
+    aside = ckpts / f"best_ahead_step_{step}.pt"
+    os.replace(best, aside)
+    fsync_dir(ckpts)
+    earlier = ckpts / f"step_{best_step}.pt"
+    if saved_step(earlier) != best_step:
+        return aside, None
+    _link(earlier, best)
+    return aside, earlier
+
+
 def best_single(run_dir: Path) -> Path:
     """Training's best single checkpoint: best_single.pt while a chosen average holds best.pt, as
     read from best.pt. A best_single.pt beside training's own best.pt is outdated (an mtx before

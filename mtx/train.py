@@ -1311,9 +1311,27 @@ class Trainer:
         ahead = [p for p in ckpt_io.step_checkpoints(self.run_dir) if ckpt_io.step_number(p) > st.step]
         for path in ahead:
             path.unlink()
+        if (ckpt_io.saved_step(ckpts / "ema.pt") or 0) > st.step:  # (an mtx before stop 66 wrote it first)
+            ahead.append(ckpts / "ema.pt")
+            (ckpts / "ema.pt").unlink()
         if ahead:
             names = ", ".join(p.name for p in ahead)
             log.warning("removed %s: saved after last.pt's step %d by a run cut short", names, st.step)
+        best = ckpt_io.set_aside_best_ahead(self.run_dir, st.step, st.best_step)
+        if best is not None:
+            aside, earlier = best
+            if earlier is not None:
+                now = f"best.pt is {earlier.name} again"
+            elif st.best_step == st.step == st.validated_step:
+                now = "best.pt is made again from last.pt"
+            else:
+                now = f"the run's best so far (step {st.best_step}) was not kept: best.pt is made at its next best"
+            log.warning(
+                "best.pt was saved after last.pt's step %d by a run cut short: it is kept as %s, and %s",
+                st.step,
+                aside.name,
+                now,
+            )
         if st.validated_step != st.step or not st.step:
             return
         step_file = ckpts / f"step_{st.step}.pt"

@@ -855,6 +855,34 @@ def test_a_save_cut_short_after_last_pt_is_completed_on_resume(
         assert a["step"] == b["step"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), name
 
 
+def test_a_best_pt_an_mtx_before_stop_66_left_ahead_of_last_pt_is_set_aside_on_resume(
+    tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An mtx before stop 66 wrote step_N.pt, ema.pt and best.pt before last.pt: a kill in
+    last.pt's write left them a validation ahead. Stop 66 removed such step checkpoints on resume,
+    but kept best.pt: a resume that went another way reported its best at an earlier step while
+    best.pt held the killed course's later step (stop 67). It is kept under another name, and the
+    step checkpoint of the run's best is best.pt again; ema.pt ahead goes, as step checkpoints do."""
+    run = tmp_path / "run"
+    common = ["--set", "train.eval_every=10", "--set", "train.keep_last=5", "--set", "train.ema=0.9"]
+    assert main(mini_args(mini_data, run, *common, "--set", "train.max_steps=20")) == 0
+    ckpts = run / "checkpoints"
+    last_20 = (ckpts / "last.pt").read_bytes()
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=30"]) == 0
+    shutil.copy(ckpts / "step_30.pt", ckpts / "best.pt")  # the killed validation's best (pre-66 order)
+    (ckpts / "last.pt").write_bytes(last_20)  # killed in last.pt's write: step 20's stays
+    best_step = load_weights_only(ckpts / "last.pt")["state"]["best_step"]
+    capsys.readouterr()
+    resume = ["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=20"]  # nothing left to train
+    assert main(resume) == 0
+    err = capsys.readouterr().err
+    assert "removed step_30.pt, ema.pt: saved after last.pt's step 20 by a run cut short" in err
+    assert f"it is kept as best_ahead_step_30.pt, and best.pt is step_{best_step}.pt again" in err
+    assert load_weights_only(ckpts / "best_ahead_step_30.pt")["step"] == 30
+    assert (ckpts / "best.pt").samefile(ckpts / f"step_{best_step}.pt")
+    assert load_weights_only(ckpts / "ema.pt")["step"] == 20  # made again from last.pt
+
+
 def test_a_setting_changed_on_resume_is_not_taken_for_a_save_cut_short(
     tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
