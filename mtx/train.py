@@ -2437,6 +2437,16 @@ class UntilReaderGone:
     def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding: the stream's
         return getattr(self.stream, name)
 
+    # the stream it wraps, to tqdm: a log line written to that stream (`tqdm.write`) clears the bar
+    # first and draws it again after (stop 67: on a terminal every log line ran on from the bar's
+    # text, and each validation left a frozen bar behind)
+    def __eq__(self, other: object) -> bool:
+        stream = other.stream if isinstance(other, UntilReaderGone) else other
+        return stream is self.stream
+
+    def __hash__(self) -> int:
+        return id(self.stream)
+
 
 class _HeldWarnings(logging.Handler):
     """Keeps the warnings logged while the data is read, before train.log can be opened."""

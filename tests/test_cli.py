@@ -393,6 +393,17 @@ def test_training_on_a_terminal_of_no_width_logs_its_windows_as_lines(tmp_path: 
     assert b"decoding val:" in shown, shown.decode()
 
 
+def test_training_on_a_terminal_clears_its_bar_before_a_log_line(tmp_path: Path, mini_data: Path) -> None:
+    """The bar is drawn through `UntilReaderGone(sys.stderr)`, which tqdm did not take for stderr,
+    so a log line was not preceded by the bar's clearing: each validation's line ran on from the
+    bar's text, and a frozen bar stayed above (stop 67, a probe of terminals)."""
+    extra = ["train.max_steps=20", "train.eval_every=10", "train.eval_sentences=10"]
+    args = tiny_args(mini_data, tmp_path / "run", *(a for key in extra for a in ("--set", key)))
+    shown, _ = _on_a_terminal([sys.executable, "-m", "mtx", *args], columns=100)
+    assert re.search(rb"\r +\rstep 10: val loss", shown), shown.decode()
+    assert not re.search(rb"\]step 10: val loss", shown), shown.decode()
+
+
 def test_outputs_through_descriptors_are_written_through_and_links_keep_modes(tmp_path: Path) -> None:
     """/dev/stderr and /dev/fd/N name an open file that a new file renamed over its name would not
     reach (a TemporaryFile's descriptor got nothing); a file replaced keeps its mode (a 0600 file
