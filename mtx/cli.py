@@ -1091,15 +1091,20 @@ def _utf8_stdout() -> None:
     locale of another encoding, such as Windows' code page for a redirected stream, a translation
     with a character outside it stopped with a traceback after decoding, and one inside it was
     written in a file that mtx itself then refused as not UTF-8)."""
-    encoding = getattr(sys.stdout, "encoding", None) or ""
-    if encoding.lower().replace("-", "").replace("_", "") != "utf8" and hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(encoding="utf-8")
+    # a path of bytes that are not UTF-8 (an old Latin-1 archive's), which Python hands over as lone
+    # surrogates, is written as its own bytes (stop 67: eval's scores, average's and compare's lines
+    # ended in a traceback under a UTF-8 locale, whose stdout is strict, after the work was done)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(encoding="utf-8", errors="surrogateescape")
     with contextlib.suppress(OSError, ValueError):  # no descriptor (a test's capture): nothing to wait on
         fd = sys.stdout.fileno()
         if not os.get_blocking(fd):
             sys.stdout.flush()
             sys.stdout = io.TextIOWrapper(
-                io.BufferedWriter(_WaitingWriter(fd)), encoding="utf-8", line_buffering=sys.stdout.line_buffering
+                io.BufferedWriter(_WaitingWriter(fd)),
+                encoding="utf-8",
+                errors="surrogateescape",
+                line_buffering=sys.stdout.line_buffering,
             )
 
 

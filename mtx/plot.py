@@ -94,6 +94,13 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
     return [str(Path(*p[-depth:])) for p in parts]
 
 
+def _drawable(name: str) -> str:
+    """A run's path as text a font can draw: the bytes of a name that is not UTF-8 (a Latin-1
+    archive's, which Python hands over as lone surrogates) shown as U+FFFD (stop 67: matplotlib
+    stopped with a traceback)."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 class _ValData(NamedTuple):
     direction: str
     split: str
@@ -170,6 +177,7 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     labels = run_labels(run_dirs)
     if len(run_dirs) > 1 and (different := different_data(labels, run_dirs)):  # (stop 65: compare said it, plot not)
         log.warning("%s", different)
+    labels = [_drawable(label) for label in labels]
     fig, (ax_loss, ax_bleu, ax_lr) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     for i, (label, (_, train, valid)) in enumerate(zip(labels, runs, strict=True)):
         color = f"C{i % 10}"
@@ -189,7 +197,7 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     ax_lr.set_xlabel("update step" if x == "step" else "minutes of training")
     for ax in (ax_loss, ax_bleu, ax_lr):
         ax.grid(alpha=0.3)
-    fig.suptitle(", ".join(str(r) for r in run_dirs))
+    fig.suptitle(_drawable(", ".join(str(r) for r in run_dirs)))
     fig.tight_layout()
     to_stdout = str(out) == "-"
     image_type = "png" if to_stdout else out.suffix[1:].lower() or "png"

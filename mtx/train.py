@@ -2486,7 +2486,8 @@ class RunLog(logging.FileHandler):
     a failed start."""
 
     def __init__(self, path: Path) -> None:
-        super().__init__(path, encoding="utf-8", delay=True)
+        # (stop 67: a message naming a path of bytes that are not UTF-8 stopped the log for good)
+        super().__init__(path, encoding="utf-8", errors="backslashreplace", delay=True)
         self.path = path
         self.failed = False
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import stat
@@ -877,3 +878,28 @@ def test_every_rename_of_a_best_change_is_followed_by_a_directory_sync(
     renames = [i for i, event in enumerate(events) if not event.startswith("sync")]
     assert all(events[i + 1] == "sync checkpoints" for i in renames), events
     assert sorted(p.name for p in ckpts.iterdir()) == ["best.pt", "best_average.pt"]
+
+
+def test_a_run_named_in_bytes_that_are_not_utf8_is_printed_and_drawn(run_copy: Path, tmp_path: Path) -> None:
+    """A directory of an old Latin-1 archive has a name that is not UTF-8, which Python hands over
+    as lone surrogates: under a UTF-8 locale (strict standard output) average and compare ended in
+    a traceback after their work, eval too after scoring, and plot in matplotlib's; train.log
+    stopped at the first message naming it (stop 67). Such a path is printed as its own bytes."""
+    from mtx.train import RunLog
+
+    odd = shutil.copytree(run_copy, tmp_path / os.fsdecode(b"run \xfc"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8:strict"}  # as en_US.UTF-8's
+    for args in (
+        ["average", "--run", str(odd), "--last", "1"],
+        ["compare", "--run", str(odd), "--run", str(run_copy)],
+        ["plot", "--run", str(odd), "--run", str(run_copy), "--out", str(tmp_path / "p.png")],
+    ):
+        r = subprocess.run([sys.executable, "-m", "mtx", *args], capture_output=True, env=env, timeout=300)
+        assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode(errors="replace")
+        assert b"run \xfc" in r.stdout or args[0] == "plot", r.stdout
+    assert (tmp_path / "p.png").stat().st_size > 0
+    log = RunLog(tmp_path / "train.log")
+    log.emit(logging.makeLogRecord({"msg": f"found {odd}", "levelno": logging.INFO}))
+    log.emit(logging.makeLogRecord({"msg": "the next line", "levelno": logging.INFO}))
+    log.close()
+    assert not log.failed and (tmp_path / "train.log").read_text().endswith("the next line\n")
