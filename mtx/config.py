@@ -509,7 +509,9 @@ def user_path(text: str, key: str) -> Path:
         return Path(text).expanduser()
     except RuntimeError:
         user = text.split("/", 1)[0]
-        raise ConfigError(f"{key}: cannot expand {user} in {text!r} (no such user); give the path in full") from None
+        # (stop 67: `~` with $HOME unset and a user id without a passwd entry said "no such user")
+        why = "no such user" if user != "~" else "$HOME is unset and this user has no home directory"
+        raise ConfigError(f"{key}: cannot expand {user} in {text!r} ({why}); give the path in full") from None
 
 
 def name_problem(name: str) -> str | None:

@@ -370,7 +370,16 @@ def read_parallel(
 
 def multi30k_cache() -> Path:
     """Where mtx downloads Multi30k: `$XDG_CACHE_HOME/mtx/multi30k` (default `~/.cache/mtx/multi30k`)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtx" / "multi30k"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "mtx" / "multi30k"
+    try:
+        home = Path.home()
+    except RuntimeError:  # (stop 67: a traceback, as with `env -i` under a user id with no passwd entry)
+        raise DataError(
+            "no place for Multi30k's download: $HOME is unset and this user has no home directory; "
+            "set $XDG_CACHE_HOME, or $MTX_DATA_DIR (or data.dir) to a local copy"
+        ) from None
+    return home / ".cache" / "mtx" / "multi30k"
 
 
 def download_reason(error: BaseException) -> str:

@@ -95,7 +95,7 @@ def _ct2_worker(conn: Any, model_dir: str, threads: int, batches: list[Any], alp
 
 
 def main() -> None:
-    parser = refuse_repeats(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser = refuse_repeats(argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]))
     parser.add_argument("--run", type=path_arg, required=True, help="trained mtx run directory")
     add_side_by_side_options(parser)
     args = parser.parse_args()

@@ -305,7 +305,7 @@ class WholeVocabulary(Seq2Seq):
 
 
 def main() -> None:
-    parser = refuse_repeats(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser = refuse_repeats(argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]))
     parser.add_argument("--run", type=path_arg, help="trained run directory (default: train one)")
     parser.add_argument(
         "--config", help="config to train when --run is not given (default: this checkout's configs/tiny.yaml)"

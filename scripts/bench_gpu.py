@@ -111,7 +111,7 @@ def sdpa_first_calls(device: torch.device) -> dict[str, float | str]:
 
 
 def main() -> None:
-    parser = refuse_repeats(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser = refuse_repeats(argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0]))
     parser.add_argument("--run", type=path_arg, required=True, help="trained run directory")
     parser.add_argument("--data-dir", type=path_arg, help="folder of the split's files (default: the run's data.dir)")
     parser.add_argument("--split", default="test_2016_flickr", help="the split decoded (default: %(default)s)")

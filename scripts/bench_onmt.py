@@ -214,7 +214,7 @@ def check_python(path: Path) -> Path:
 
 
 def main() -> None:
-    parser = refuse_repeats(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser = refuse_repeats(argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]))
     parser.add_argument("--run", type=path_arg, required=True, help="trained mtx run directory")
     parser.add_argument(
         "--onmt-python", type=path_arg, required=True, help="python of a virtual environment with OpenNMT-py 3.5"

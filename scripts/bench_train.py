@@ -285,7 +285,7 @@ def make_step(
 
 
 def main() -> None:
-    parser = refuse_repeats(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser = refuse_repeats(argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]))
     parser.add_argument(
         "--config",
         default=str(Path(__file__).resolve().parent.parent / "configs" / "multi30k_de_en.yaml"),

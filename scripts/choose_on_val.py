@@ -118,7 +118,7 @@ def val_bleu(
 
 
 def main() -> None:
-    parser = refuse_repeats(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
+    parser = refuse_repeats(argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0]))
     parser.add_argument("--run", type=path_arg, required=True, help="run directory written by mtx train")
     parser.add_argument(
         "--last",

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ import yaml
 from mtx.errors import ConfigError, run_script
 from mtx.train import BF16_MIN_SPEEDUP
 
-from .conftest import TINY_CONFIG, script_in_process
+from .conftest import REPO, TINY_CONFIG, script_in_process
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode.py"
 TRAIN_SCRIPT = SCRIPT.with_name("bench_train.py")
@@ -534,3 +536,16 @@ def test_bench_decode_says_faster_than_greedy_below_one() -> None:
     assert against_greedy(2.5) == "2.50x slower than greedy"
     assert against_greedy(1.0) == "1.00x slower than greedy"
     assert against_greedy(0.8) == "1.25x faster than greedy"
+
+
+_SCRIPTS = sorted(p.name for p in (REPO / "scripts").glob("*.py") if p.name != "onmt_worker.py")
+
+
+@pytest.mark.parametrize("script", _SCRIPTS)
+def test_scripts_start_with_docstrings_stripped(script: str) -> None:
+    """`python -OO` (PYTHONOPTIMIZE=2, set by some production images) strips docstrings, and every
+    script built its --help from its own: an AttributeError at any start (stop 67)."""
+    r = subprocess.run(
+        [sys.executable, "-OO", str(REPO / "scripts" / script), "--help"], capture_output=True, timeout=300
+    )
+    assert r.returncode == 0 and b"usage:" in r.stdout, r.stderr.decode()

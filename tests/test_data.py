@@ -23,6 +23,7 @@ from mtx.data import (
     eval_split_files,
     is_test_split,
     load_corpus,
+    multi30k_cache,
     padding_fraction,
     plan_batches,
     read_lines,
@@ -491,3 +492,26 @@ def test_files_compressed_otherwise_than_gzip_are_named_so(tmp_path: Path) -> No
             read_lines(tmp_path / name)
     (tmp_path / "c.de").write_text("BZh9 is a word\n")
     assert read_lines(tmp_path / "c.de") == ["BZh9 is a word"]
+
+
+def test_no_home_directory_is_one_line_naming_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`env -i` under a user id with no passwd entry (a container's `--user 12345`): $HOME unset
+    and no home directory, so `Path.home()` raised, a traceback where the download cache was
+    reached; `~/x` said "no such user" (stop 67)."""
+    from mtx.config import user_path
+    from mtx.errors import ConfigError
+
+    def no_home(*args: object) -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", no_home)
+    monkeypatch.setattr(Path, "expanduser", no_home)
+    with pytest.raises(DataError, match=r"\$HOME is unset .*; set \$XDG_CACHE_HOME, or \$MTX_DATA_DIR"):
+        multi30k_cache()
+    with pytest.raises(ConfigError, match=r"cannot expand ~ in '~/x' \(\$HOME is unset and this user has no home"):
+        user_path("~/x", "--run-dir")
+    with pytest.raises(ConfigError, match=r"cannot expand ~nobody9 in '~nobody9/x' \(no such user\)"):
+        user_path("~nobody9/x", "--run-dir")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/cache")
+    assert multi30k_cache() == Path("/cache/mtx/multi30k")
