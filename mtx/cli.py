@@ -31,6 +31,7 @@ from mtx.errors import (
     STOP_SIGNALS,
     MtxError,
     Terminated,
+    memory_advice,
     named_os_errors,
     not_found,
     os_error_line,
@@ -1169,6 +1170,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 141
+    except MemoryError:  # Python's own allocation (stop 67: a traceback under `ulimit -v` while the data loaded)
+        _error_line(f"mtx: error: out of memory; {memory_advice('free memory, or use a machine with more')}")
+        return 1
     except OSError as e:  # a path that cannot be created, read or written; a full disk
         if args is not None and args.verbose:
             log.exception("the traceback, for -v")

@@ -19,7 +19,7 @@ import torch
 
 from mtx.config import STOPS
 from mtx.data import pad_ids
-from mtx.errors import MtxError, out_of_memory, signals_deferred
+from mtx.errors import MtxError, memory_advice, out_of_memory, signals_deferred
 from mtx.model import Ensemble, EnsembleCache, KVCache, Seq2Seq, make_src_mask
 from mtx.tokenizer import BOS, BPE, EOS, PAD
 
@@ -448,7 +448,7 @@ def translate_ids(
             raise
         raise MtxError(
             f"out of memory decoding on {device} in batches of {batch_tokens} source tokens with beam {beam}; "
-            "lower --batch-tokens (decode.batch_tokens)"
+            + memory_advice("lower --batch-tokens (decode.batch_tokens)")
         ) from None
     for batch, hyps in zip(batches, decoded, strict=True):
         for j, h in zip(batch, hyps, strict=True):

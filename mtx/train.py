@@ -67,6 +67,7 @@ from mtx.errors import (
     Interrupted,
     MtxError,
     command_line,
+    memory_advice,
     named_os_errors,
     out_of_memory,
     own_command,
@@ -1883,10 +1884,10 @@ class Trainer:
                     kept = f"last.pt from step {self.saved_step} is kept"
                 else:
                     kept = "no last.pt was saved yet"
+                usual = "lower train.batch_tokens (raising train.accum_steps keeps an update's tokens)"
                 raise MtxError(
                     f"out of memory on {self.device} after step {st.step} "
-                    f"(train.batch_tokens={tc.batch_tokens}); lower train.batch_tokens (raising "
-                    f"train.accum_steps keeps an update's tokens); {kept}. "
+                    f"(train.batch_tokens={tc.batch_tokens}); {memory_advice(usual)}; {kept}. "
                     f"Resume with: {self._resume_command()} --set train.batch_tokens=N{after}"
                 ) from None
             if self.ranks.world_size > 1 and _peer_lost(e):

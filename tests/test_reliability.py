@@ -2302,3 +2302,44 @@ def test_a_run_that_lost_its_config_gets_it_back_on_resume(
     assert main(["train", "--run-dir", str(run), "--resume"]) == 0
     assert "config.yaml was missing; written again from" in capsys.readouterr().err
     assert (run / "config.yaml").read_text() == config
+
+
+def test_out_of_memory_under_an_address_space_limit_says_to_raise_it(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under `ulimit -v` (batch systems' memory cap) oneDNN's failed allocation, "could not create a
+    primitive", was a 47-line traceback that lost the steps since the last validation, and an
+    allocator's failure said to lower train.batch_tokens, which did not help: torch's libraries
+    reserve address space beyond the batches. Python's own MemoryError was a traceback (stop 67)."""
+    import resource
+
+    limit = 3 * 2**30
+    getrlimit = resource.getrlimit
+    monkeypatch.setattr(
+        resource, "getrlimit", lambda which: (limit, limit) if which == resource.RLIMIT_AS else getrlimit(which)
+    )
+    clip, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def no_primitive_in_step_4(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("could not create a primitive")
+        return clip(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", no_primitive_in_step_4)
+    assert main(mini_args(mini_data, tmp_path / "run", "--set", "train.max_steps=10")) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("mtx: error:")]
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert "out of memory on cpu after step 3" in lines[0] and "last.pt saved at step 3" in lines[0]
+    assert "3.0 GiB of address space at most (ulimit -v 3145728)" in lines[0] and "ulimit -v unlimited" in lines[0]
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+
+    def no_memory(*args: object) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(train_module, "load_corpus", no_memory)
+    assert main(mini_args(mini_data, tmp_path / "other", "--set", "train.max_steps=10")) == 1
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("mtx: error: out of memory; this process may use 3.0 GiB"), err
