@@ -412,7 +412,10 @@ def download_multi30k(
     urls = {f"{split}.{lang}.gz": MULTI30K_URL.format(split=split, lang=lang) for split, lang in wanted}
     log.info("downloading Multi30k task-1 files to %s: %s", dest, ", ".join(urls))
     try:
-        local = datasets.DownloadManager(dataset_name="multi30k").download(urls)
+        # its own copies beside mtx's (stop 67: an empty $XDG_CACHE_HOME, as a CI variable that expands
+        # to nothing, made `datasets` download into ./huggingface of the working directory)
+        config = datasets.DownloadConfig(cache_dir=str(dest.resolve().parent / "downloads"))
+        local = datasets.DownloadManager(dataset_name="multi30k", download_config=config).download(urls)
     except Exception as e:  # network errors come in many classes
         raise DataError(f"cannot download Multi30k from {MULTI30K_SOURCE} ({download_reason(e)}); {fix}") from None
     dest.mkdir(parents=True, exist_ok=True)

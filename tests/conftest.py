@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -160,10 +161,11 @@ class FakeMulti30k:
     a file the folder lacks fails as a missing URL does, and every requested name is recorded."""
 
     def __init__(self, server: Path) -> None:
-        self.server, self.requested = server, []
+        self.server, self.requested, self.cache_dirs = server, [], []
 
-    def __call__(self, dataset_name: str) -> FakeMulti30k:
+    def __call__(self, dataset_name: str, download_config: Any = None) -> FakeMulti30k:
         assert dataset_name == "multi30k"
+        self.cache_dirs.append(download_config.cache_dir)  # where `datasets` keeps its own copies
         return self
 
     def download(self, urls: dict[str, str]) -> dict[str, str]:

@@ -326,6 +326,7 @@ def test_auto_data_downloads_multi30k_once_into_the_cache(
     assert resolve_data_dir(DataConfig(dir="auto")) == cache.resolve()
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
+    assert fake.cache_dirs == [str(cache.resolve().parent / "downloads")]  # (an empty $XDG_CACHE_HOME: the cwd's)
     # each file, then the folder
     assert sorted(events[1::2]) == sorted(fake.requested) and events[0::2] == ["fsync"] * 13
     assert sorted(fake.requested) == sorted(
