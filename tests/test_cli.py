@@ -1243,3 +1243,15 @@ def test_torchs_info_lines_are_held_back_before_torch_has_set_its_loggers() -> N
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=REPO, check=False)
     assert r.returncode == 0 and r.stderr.decode().splitlines() == ["mtx line"], r.stderr.decode()
+
+
+def test_a_removed_working_directory_is_one_line(tmp_path: Path) -> None:
+    """A shell left in a directory that `rm -rf` removed: torch's import failed with "Intel oneMKL
+    FATAL ERROR: Cannot load libtorch_cpu.so", which reads as a broken install (stop 67)."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = f"import os, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); sys.argv[1:] = ['--help']; import mtx"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=_child_env())
+    assert r.returncode == 1 and r.stderr.decode().strip() == (
+        "mtx: error: the working directory no longer exists (it was removed); cd to one that does"
+    ), r.stderr.decode()
