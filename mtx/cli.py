@@ -484,6 +484,20 @@ def _names_a_file(text: str) -> bool:
         return False
 
 
+def _utf8_argument(text: str, i: int) -> str:
+    """TEXT argument `i` as UTF-8 text. Argument bytes the locale's encoding cannot decode arrive as
+    lone surrogates: UTF-8 read under an ASCII locale (`LC_ALL=C` with `PYTHONUTF8=0`) is decoded
+    from its bytes (stop 67: refused as "not valid UTF-8"); other bytes are an error."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        try:
+            return os.fsencode(text).decode("utf-8")
+        except (UnicodeError, ValueError):
+            raise MtxError(f"TEXT argument {i} is not valid UTF-8; re-encode it as UTF-8") from None
+
+
 def cmd_translate(args: argparse.Namespace) -> int:
     texts = args.text
     from_stdin = not texts or texts == ["-"]
@@ -505,11 +519,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
         # (stop 61: `mtx translate < f >> f` read its own translations back and translated them
         # without end, filling the disk; `cat f >> f` refuses too)
         raise MtxError("standard input and standard output are the same file; write the translations to another file")
-    for i, text in enumerate([] if from_stdin else texts, 1):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # undecodable argv bytes arrive as lone surrogates
-            raise MtxError(f"TEXT argument {i} is not valid UTF-8; re-encode it as UTF-8") from None
+    if not from_stdin:
+        texts = [_utf8_argument(text, i) for i, text in enumerate(texts, 1)]
     _, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
     if not 1 <= args.nbest <= beam:
         raise MtxError(f"--nbest must be between 1 and --beam ({beam}), got {args.nbest}")

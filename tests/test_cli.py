@@ -1255,3 +1255,15 @@ def test_a_removed_working_directory_is_one_line(tmp_path: Path) -> None:
     assert r.returncode == 1 and r.stderr.decode().strip() == (
         "mtx: error: the working directory no longer exists (it was removed); cd to one that does"
     ), r.stderr.decode()
+
+
+def test_a_utf8_argument_under_an_ascii_locale_is_translated(tiny_run: Path) -> None:
+    """Under `LC_ALL=C` with `PYTHONUTF8=0` Python decodes arguments as ASCII, so a UTF-8 TEXT
+    arrived as lone surrogates and was refused as "not valid UTF-8" (stop 67); it is read from
+    its bytes, as standard input is."""
+    text = "Ein Mann f\u00e4hrt Fahrrad."
+    ascii_env = {**_child_env(), "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    args = [sys.executable, "-m", "mtx", "translate", "--run", str(tiny_run), "--beam", "1"]
+    under_c = subprocess.run([*args, text], capture_output=True, timeout=300, env=ascii_env)
+    plain = subprocess.run(args, input=f"{text}\n".encode(), capture_output=True, timeout=300, env=_child_env())
+    assert under_c.returncode == 0 and under_c.stdout == plain.stdout, under_c.stderr.decode()
