@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -92,6 +93,15 @@ def run_labels(run_dirs: Sequence[Path]) -> list[str]:
     while depth < max(len(p) for p in parts) and len({p[-depth:] for p in parts}) < len(parts):
         depth += 1
     return [str(Path(*p[-depth:])) for p in parts]
+
+
+@contextlib.contextmanager
+def _no_glyph_warnings() -> Iterator[None]:
+    """A run name in a script the font lacks (CJK) is drawn as boxes, without matplotlib's warning
+    for each glyph, which `-W error` (CI) made a traceback (stop 67)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"Glyph \d+ .*missing from font", UserWarning)
+        yield
 
 
 def _drawable(name: str) -> str:
@@ -198,14 +208,16 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     for ax in (ax_loss, ax_bleu, ax_lr):
         ax.grid(alpha=0.3)
     fig.suptitle(_drawable(", ".join(str(r) for r in run_dirs)))
-    fig.tight_layout()
+    with _no_glyph_warnings():
+        fig.tight_layout()
     to_stdout = str(out) == "-"
     image_type = "png" if to_stdout else out.suffix[1:].lower() or "png"
     try:
         # the image is made first: matplotlib's PNG writer cannot seek in a device or pipe, and a
         # file written in place was left cut short by a full disk (stop 61: the old image lost)
         image = io.BytesIO()
-        fig.savefig(image, dpi=100, format=image_type)
+        with _no_glyph_warnings():
+            fig.savefig(image, dpi=100, format=image_type)
         if to_stdout:
             with named_os_errors("standard output"):
                 sys.stdout.buffer.write(image.getvalue())

@@ -880,7 +880,7 @@ def test_every_rename_of_a_best_change_is_followed_by_a_directory_sync(
     assert sorted(p.name for p in ckpts.iterdir()) == ["best.pt", "best_average.pt"]
 
 
-def test_a_run_named_in_bytes_that_are_not_utf8_is_printed_and_drawn(run_copy: Path, tmp_path: Path) -> None:
+def test_a_run_named_in_bytes_that_are_not_utf8_or_in_cjk_is_printed_and_drawn(run_copy: Path, tmp_path: Path) -> None:
     """A directory of an old Latin-1 archive has a name that is not UTF-8, which Python hands over
     as lone surrogates: under a UTF-8 locale (strict standard output) average and compare ended in
     a traceback after their work, eval too after scoring, and plot in matplotlib's; train.log
@@ -898,6 +898,11 @@ def test_a_run_named_in_bytes_that_are_not_utf8_is_printed_and_drawn(run_copy: P
         assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode(errors="replace")
         assert b"run \xfc" in r.stdout or args[0] == "plot", r.stdout
     assert (tmp_path / "p.png").stat().st_size > 0
+    # a name the font cannot draw (CJK): matplotlib's warning per glyph was a traceback under -W error
+    cjk = shutil.copytree(run_copy, tmp_path / "\u65e5\u672c\u8a9e")
+    plot = ["plot", "--run", str(cjk), "--out", str(tmp_path / "cjk.png")]
+    r = subprocess.run([sys.executable, "-W", "error", "-m", "mtx", *plot], capture_output=True, env=env, timeout=300)
+    assert r.returncode == 0 and b"Glyph" not in r.stderr, r.stderr.decode()
     log = RunLog(tmp_path / "train.log")
     log.emit(logging.makeLogRecord({"msg": f"found {odd}", "levelno": logging.INFO}))
     log.emit(logging.makeLogRecord({"msg": "the next line", "levelno": logging.INFO}))
