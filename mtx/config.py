@@ -573,14 +573,21 @@ def validate(cfg: Config, where: str = "config") -> None:
         raise ConfigError(f"{where}: model.d_model / model.n_heads must be even")
     if m.d_model % 2:
         raise ConfigError(f"{where}: model.d_model must be even (sinusoidal positions)")
-    if cfg.data.src_lang == cfg.data.tgt_lang:
-        raise ConfigError(f"{where}: data.src_lang and data.tgt_lang are both {cfg.data.src_lang!r}")
+    # compared without case: a file system that ignores it (macOS, Windows) reads train.EN as train.en
+    # (stop 67: `src_lang: EN`, `tgt_lang: en` trained a copying model there)
+    if cfg.data.src_lang.casefold() == cfg.data.tgt_lang.casefold():
+        raise ConfigError(
+            f"{where}: data.src_lang and data.tgt_lang are both {cfg.data.src_lang!r}"
+            + ("" if cfg.data.src_lang == cfg.data.tgt_lang else f" (and {cfg.data.tgt_lang!r})")
+        )
     extra = cfg.data.extra_src_langs
+    folded = [lang.casefold() for lang in extra]
     for lang in extra:
         problem = name_problem(lang)
         if problem:  # (stop 62: a path was taken, then missing as the file train.../other/train.fr)
             raise ConfigError(f"{where}: each of data.extra_src_langs {problem}")
-        if not lang or lang in (cfg.data.src_lang, cfg.data.tgt_lang) or extra.count(lang) > 1:
+        mains = (cfg.data.src_lang.casefold(), cfg.data.tgt_lang.casefold())
+        if not lang or lang.casefold() in mains or folded.count(lang.casefold()) > 1:
             raise ConfigError(
                 f"{where}: data.extra_src_langs must list other languages than data.src_lang and data.tgt_lang, "
                 f"each once, got {list(extra)}"

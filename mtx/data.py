@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import torch
@@ -383,21 +383,45 @@ def multi30k_cache() -> Path:
 
 
 def download_reason(error: BaseException) -> str:
-    """Why a download failed, in a few words: the error at the root of `error`'s causes, where
-    one is a network error (stop 63: a machine without a network was told "FileNotFoundError:
-    URL", fsspec's wrapping of the failed name lookup, which reads as a file missing upstream)."""
-    root, seen = error, 0
-    while (root.__cause__ or root.__context__) is not None and seen < 20:
-        root, seen = root.__cause__ or root.__context__, seen + 1  # type: ignore[assignment]
-    if isinstance(root, socket.gaierror):
-        return f"no network: the host name cannot be resolved ({root.strerror or root})"
-    if root is not error and isinstance(root, (ConnectionError, TimeoutError)):
-        return f"no connection: {_gist(root)}"
+    """Why a download failed, in a few words: the network error among `error`'s causes, where
+    there is one (stop 63: a machine without a network was told "FileNotFoundError: URL",
+    fsspec's wrapping of the failed name lookup, which reads as a file missing upstream; stop 67:
+    so was a proxy's refusal, and a connection that timed out)."""
+    chain, seen = [error], 0
+    while (chain[-1].__cause__ or chain[-1].__context__) is not None and seen < 20:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)  # type: ignore[arg-type]
+        seen += 1
+    causes = chain[1:]
+    if lookup := next((e for e in chain if isinstance(e, socket.gaierror)), None):
+        return f"no network: the host name cannot be resolved ({lookup.strerror or lookup})"
+    if proxy := next((e for e in causes if type(e).__name__ == "ClientHttpProxyError"), None):
+        status, message = getattr(proxy, "status", ""), getattr(proxy, "message", "")
+        return f"the proxy refused it: {status} {message}".rstrip()
+    if slow := next((e for e in causes if isinstance(e, TimeoutError)), None):
+        return f"no answer within {DOWNLOAD_TIMEOUT_S} s: {_gist(slow)}"
+    if lost := next((e for e in causes if isinstance(e, ConnectionError)), None):
+        return f"no connection: {_gist(lost)}"
     return _gist(error)
 
 
 def _gist(error: BaseException) -> str:
     return type(error).__name__ + (": " + str(error).splitlines()[0][:120] if str(error).strip() else "")
+
+
+# a connection that stays silent this long fails (stop 67: a proxy or firewall that accepted it and
+# sent nothing hung `mtx train` and `mtx eval` with no end)
+DOWNLOAD_TIMEOUT_S = 30
+
+
+def _timeouts() -> dict[str, Any]:
+    """fsspec's HTTP options for `datasets`: a connection, and each read, give up after
+    `DOWNLOAD_TIMEOUT_S`."""
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover (fsspec's HTTP needs it)
+        return {}
+    timeout = aiohttp.ClientTimeout(total=None, connect=DOWNLOAD_TIMEOUT_S, sock_read=DOWNLOAD_TIMEOUT_S)
+    return {protocol: {"client_kwargs": {"timeout": timeout}} for protocol in ("http", "https")}
 
 
 def download_multi30k(
@@ -414,7 +438,8 @@ def download_multi30k(
     try:
         # its own copies beside mtx's (stop 67: an empty $XDG_CACHE_HOME, as a CI variable that expands
         # to nothing, made `datasets` download into ./huggingface of the working directory)
-        config = datasets.DownloadConfig(cache_dir=str(dest.resolve().parent / "downloads"))
+        downloads = str(dest.resolve().parent / "downloads")
+        config = datasets.DownloadConfig(cache_dir=downloads, storage_options=_timeouts())
         local = datasets.DownloadManager(dataset_name="multi30k", download_config=config).download(urls)
     except Exception as e:  # network errors come in many classes
         raise DataError(f"cannot download Multi30k from {MULTI30K_SOURCE} ({download_reason(e)}); {fix}") from None
@@ -519,11 +544,16 @@ def eval_split_files(data_dir: Path, split: str, src_lang: str, tgt_lang: str) -
         if split not in MULTI30K_TESTS:
             raise
     has = MULTI30K_TESTS[split]
-    for lang in (src_lang, tgt_lang):
-        if lang not in has:
+    for lang, other in ((src_lang, tgt_lang), (tgt_lang, src_lang)):
+        if lang in has:
+            continue
+        if _find_split_file(data_dir, split, lang) is None:
             raise DataError(
                 f"{data_dir}: no {split}.{lang}, and Multi30k's {split} has no {lang!r} side (it has {', '.join(has)})"
             )
+        # the user's own side in a language Multi30k's set lacks: the other is theirs to give too
+        # (stop 67: the error named the side that was there)
+        raise DataError(f"{data_dir}: no {split}.{other} beside {split}.{lang}; put it there, or pass --src/--ref")
     cache = multi30k_cache()
     # said each time, not only when fetched (stop 61: a run on the user's own corpus, whose data
     # directory has no test_2016_flickr, was scored on Multi30k's from the cache without a word)
@@ -538,9 +568,11 @@ def eval_split_files(data_dir: Path, split: str, src_lang: str, tgt_lang: str) -
         return both(cache)
     except DataError:
         pass
-    names = " and ".join(f"{split}.{lang}.gz" for lang in (src_lang, tgt_lang))
+    # only the side the cache lacks (stop 67: both were fetched again, and both named)
+    lacking = [lang for lang in dict.fromkeys((src_lang, tgt_lang)) if _find_split_file(cache, split, lang) is None]
+    names = " and ".join(f"{split}.{lang}.gz" for lang in lacking)
     download_multi30k(
-        cache, [(split, src_lang), (split, tgt_lang)], f"put {names} in {data_dir} or {cache}, or pass --src/--ref"
+        cache, [(split, lang) for lang in lacking], f"put {names} in {data_dir} or {cache}, or pass --src/--ref"
     )
     return both(cache)
 

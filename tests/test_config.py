@@ -184,6 +184,16 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("{}\n", "the config is empty"),  # as an empty file: not the defaults' 10,000 steps
         ("data:\n  dir: [a, b]\n", r"data.dir must be a string, got \['a', 'b'\]$"),
         ("train:\n  schedule: {a: 1}\n", r"train.schedule must be a string, got \{'a': 1\}$"),
+        # a file system that ignores case (macOS, Windows) reads train.EN as train.en (stop 67: a copying model)
+        ("data:\n  src_lang: EN\n  tgt_lang: en\n", r"data.src_lang and data.tgt_lang are both 'EN' \(and 'en'\)$"),
+        (
+            "data:\n  extra_src_langs: [fr, DE]\ntrain:\n  extra_sources: 0.5\n",
+            r"data.extra_src_langs must list other languages than data.src_lang and data.tgt_lang, each once",
+        ),
+        (
+            "data:\n  extra_src_langs: [fr, FR]\ntrain:\n  extra_sources: 0.5\n",
+            r"data.extra_src_langs must list other languages than data.src_lang and data.tgt_lang, each once",
+        ),
     ],
 )
 def test_bad_values_are_one_line_errors(tmp_path: Path, text: str, pattern: str) -> None:

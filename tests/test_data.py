@@ -5,8 +5,10 @@ import gzip
 import io
 import lzma
 import os
+import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -404,6 +406,12 @@ def test_eval_split_errors_name_the_fix(multi30k_server: FakeMulti30k, small_dat
         eval_split_files(small_data, "test_2099", "de", "en")
     with pytest.raises(DataError, match=r"Multi30k's test_2017_mscoco has no 'cs' side \(it has en, de, fr\)"):
         eval_split_files(small_data, "test_2017_mscoco", "cs", "en")
+    # the user's own Czech side, no English one: the error named the Czech file, which was there (stop 67)
+    own = shutil.copytree(small_data, tmp_path / "own")
+    (own / "test_2017_flickr.cs").write_text("Pes.\n")
+    for src, tgt in (("cs", "en"), ("en", "cs")):
+        with pytest.raises(DataError, match=r"no test_2017_flickr\.en beside test_2017_flickr\.cs; put it there, or"):
+            eval_split_files(own, "test_2017_flickr", src, tgt)
     assert fake.requested == []
     # the fake has no test_2018_flickr: a failed download names the files, where to put them, and --src/--ref
     with pytest.raises(
@@ -413,6 +421,13 @@ def test_eval_split_errors_name_the_fix(multi30k_server: FakeMulti30k, small_dat
     ):
         eval_split_files(small_data, "test_2018_flickr", "de", "en")
     assert not (tmp_path / "cache" / "mtx" / "multi30k").exists()  # nothing half-written
+    # one side in the cache already: only the other is fetched and named (stop 67: both were)
+    cache = tmp_path / "cache" / "mtx" / "multi30k"
+    cache.mkdir(parents=True)
+    (cache / "test_2018_flickr.en").write_text("A dog.\n")
+    with pytest.raises(DataError, match=r"; put test_2018_flickr\.de\.gz in .* or .*, or pass --src/--ref"):
+        eval_split_files(small_data, "test_2018_flickr", "de", "en")
+    assert fake.requested[-1:] == ["test_2018_flickr.de.gz"]
 
 
 def test_a_failed_download_without_a_network_says_so() -> None:
@@ -516,3 +531,61 @@ def test_no_home_directory_is_one_line_naming_what_to_set(monkeypatch: pytest.Mo
         user_path("~nobody9/x", "--run-dir")
     monkeypatch.setenv("XDG_CACHE_HOME", "/cache")
     assert multi30k_cache() == Path("/cache/mtx/multi30k")
+
+
+def _local_proxy(answer: bytes | None) -> tuple[str, Callable[[], None]]:
+    """A proxy on this machine that answers each connection with `answer`, or never (None)."""
+    import socket
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed: the test is over
+                return
+            held.append(conn)
+            if answer is not None:
+                conn.recv(65536)
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    def close() -> None:
+        for conn in [*held, server]:
+            conn.close()
+
+    return f"http://127.0.0.1:{server.getsockname()[1]}", close
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (None, "no answer within 1 s: ConnectionTimeoutError"),
+        (b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n", "the proxy refused it: 407"),
+    ],
+)
+def test_a_silent_or_refusing_proxy_ends_the_download_with_its_reason(
+    answer: bytes | None, reason: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy or firewall that accepted the connection and sent nothing hung `mtx train` and `mtx
+    eval` with no end; a proxy's refusal (407, 403) was "FileNotFoundError: URL", which reads as a
+    file missing upstream (stop 67)."""
+    import mtx.data
+
+    proxy, close = _local_proxy(answer)
+    monkeypatch.setenv("HTTPS_PROXY", proxy)
+    monkeypatch.setenv("HTTP_PROXY", proxy)
+    monkeypatch.setattr(mtx.data, "DOWNLOAD_TIMEOUT_S", 1)
+    started = time.monotonic()
+    try:
+        with pytest.raises(DataError, match=f"cannot download Multi30k from .*\\({reason}"):
+            mtx.data.download_multi30k(tmp_path / "mtx" / "multi30k", [("val", "en")])
+    finally:
+        close()
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "mtx" / "multi30k" / "val.en.gz").exists()
