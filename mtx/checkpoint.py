@@ -65,6 +65,7 @@ def run_files(run_dir: Path) -> list[Path]:
 # the name of a step checkpoint training writes; any other file in checkpoints/ is the user's (a
 # `step_4_backup.pt` was taken for the oldest step checkpoint, and train.keep_last removed it)
 _STEP_NAME = re.compile(r"step_(\d+)\.pt")
+_BEST_AHEAD = re.compile(r"best_ahead_step_(\d+)\.pt")
 
 
 def step_checkpoints(run_dir: Path) -> list[Path]:
@@ -731,7 +732,8 @@ def _training_file(path: Path, run_dir: Path) -> bool:
     if not (path.parent.is_dir() and ckpts.is_dir() and path.parent.samefile(ckpts)):
         return False
     name = path.name
-    return name in ("last.pt", "ema.pt", BEST, BEST_SINGLE, BEST_AVERAGE) or _STEP_NAME.fullmatch(name) is not None
+    kept = name in ("last.pt", "ema.pt", BEST, BEST_SINGLE, BEST_AVERAGE) or _STEP_NAME.fullmatch(name) is not None
+    return kept or _BEST_AHEAD.fullmatch(name) is not None  # (`set_aside_best_ahead`'s)
 
 
 # best.pt is training's best single checkpoint, unless `make_best` put a chosen average there:

@@ -168,13 +168,12 @@ def _this_environments(name: str) -> str | None:
 
 def out_of_memory(error: BaseException) -> bool:
     """Whether `error` is an allocation that failed: torch.OutOfMemoryError (a GPU's), the
-    RuntimeError of the CPU allocator ("DefaultCPUAllocator: can't allocate memory"), Python's
-    MemoryError, or, under an address-space limit, oneDNN's "could not create a primitive" (stop
-    67: under `ulimit -v` a 47-line traceback, and the steps since the last validation lost)."""
+    RuntimeError of the CPU allocator ("DefaultCPUAllocator: can't allocate memory"), or, under an
+    address-space limit, oneDNN's "could not create a primitive" (stop 67: under `ulimit -v` a
+    47-line traceback, and the steps since the last validation lost)."""
     text = str(error)
     return (
         type(error).__name__ == "OutOfMemoryError"
-        or isinstance(error, MemoryError)
         or (isinstance(error, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text))
         or (isinstance(error, RuntimeError) and "could not create a primitive" in text and address_space() is not None)
     )
@@ -191,16 +190,17 @@ def address_space() -> int | None:
     return None if limit in (-1, resource.RLIM_INFINITY) else limit
 
 
-def memory_advice(usual: str) -> str:
-    """What to do when memory ran out: `usual` (lower a batch size), or, under an address-space
-    limit, raising that limit: torch's CPU libraries reserve address space beyond what a batch
-    needs, so a smaller batch did not help (stop 67: 1,500, 300 and 200 tokens failed alike)."""
+def memory_advice(usual: str, device: object = "cpu") -> str:
+    """What to do when memory ran out on `device`: `usual` (lower a batch size), or, on the CPU
+    under an address-space limit, raising that limit: torch's CPU libraries reserve address space
+    beyond what a batch needs, so a smaller batch did not help (stop 67: 1,500, 300 and 200 tokens
+    failed alike). A GPU's memory is not the process's address space."""
     limit = address_space()
-    if limit is None:
+    if limit is None or str(device).split(":")[0] != "cpu":
         return usual
     return (
         f"this process may use {limit / 2**30:.1f} GiB of address space at most (ulimit -v {limit // 1024}), "
-        "and torch's libraries reserve more than the batches take (a tiny model about 4 GiB): raise or lift "
+        "and torch's libraries reserve more than the batches take (a tiny model 3-4 GiB): raise or lift "
         f"that limit (ulimit -v unlimited, or the batch system's memory request); else {usual}"
     )
 

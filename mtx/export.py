@@ -201,6 +201,11 @@ def _named_as_out(staging: Path, out_dir: Path) -> Iterator[None]:
         name = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes)) else None
         if name is None or not (name == str(staging) or name.startswith(f"{staging}{os.sep}")):
             raise
+        if isinstance(e, FileExistsError) and name == str(staging):  # another export's, live or not removable
+            raise MtxError(
+                f"{out_dir}: another export to it is under way (its staging folder {staging} is there); "
+                "wait for it to end, or remove that folder if no export runs"
+            ) from None
         raise OSError(e.errno, e.strerror, str(out_dir) + name[len(str(staging)) :]) from None
 
 

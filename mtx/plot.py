@@ -100,7 +100,8 @@ def _no_glyph_warnings() -> Iterator[None]:
     """A run name in a script the font lacks (CJK) is drawn as boxes, without matplotlib's warning
     for each glyph, which `-W error` (CI) made a traceback (stop 67)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", r"Glyph \d+ .*missing from font", UserWarning)
+        # "missing from font(s) X" since matplotlib 3.9, "missing from current font" before
+        warnings.filterwarnings("ignore", r"Glyph \d+ .*missing from (current )?font", UserWarning)
         yield
 
 

@@ -448,7 +448,7 @@ def translate_ids(
             raise
         raise MtxError(
             f"out of memory decoding on {device} in batches of {batch_tokens} source tokens with beam {beam}; "
-            + memory_advice("lower --batch-tokens (decode.batch_tokens)")
+            + memory_advice("lower --batch-tokens (decode.batch_tokens)", device)
         ) from None
     for batch, hyps in zip(batches, decoded, strict=True):
         for j, h in zip(batch, hyps, strict=True):

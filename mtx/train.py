@@ -626,7 +626,7 @@ class TrainState:
     both_ways_epochs: int = 0  # the first epochs, trained on every pair both ways (train.bidirectional)
     diversified_epoch: int = -1  # the first epoch that adds the model's translations of train (train.diversify)
     extra_source_epochs: int = 0  # the first epochs, with data.extra_src_langs' pairs added (train.extra_sources)
-    validated_step: int = -1  # the last step validated (a checkpoint from before stop 54: its step)
+    validated_step: int = -1  # the last step validated (a checkpoint from before stop 54: from metrics.jsonl)
     # the log window open at the save (steps since the last train record, their loss and target
     # tokens, its training seconds): a resume mid-window logs the window a straight run logs
     window_steps: int = 0
@@ -905,7 +905,7 @@ class Trainer:
             raise MtxError(
                 f"the model does not fit in memory on {self.device} (model.d_model {m.d_model}, model.d_ff "
                 f"{m.d_ff}, model.max_positions {m.max_positions}, {self.tgt_tok.vocab_size} target pieces); "
-                "make it smaller"
+                + memory_advice("make it smaller", self.device)
             ) from None
         if self.model.output_ids is not None and ranks.is_main:
             val_pieces = torch.tensor([i for s in self.valid_ids.tgt_ids for i in s], dtype=torch.long)
@@ -1130,7 +1130,7 @@ class Trainer:
                     (
                         logging.INFO,
                         f"train.ema is 0 from step {self.state.step}: checkpoints/ema.pt stays the moving average "
-                        f"of step {self.state.validated_step}",
+                        f"of step {ckpt_io.saved_step(ckpt_io.checkpoint_dir(self.run_dir) / 'ema.pt')}",
                     )
                 )
             rng_per_rank = ckpt.get("rng_per_rank") or [ckpt["rng"]]
@@ -1312,7 +1312,9 @@ class Trainer:
         ahead = [p for p in ckpt_io.step_checkpoints(self.run_dir) if ckpt_io.step_number(p) > st.step]
         for path in ahead:
             path.unlink()
-        if (ckpt_io.saved_step(ckpts / "ema.pt") or 0) > st.step:  # (an mtx before stop 66 wrote it first)
+        # an mtx before stop 66 wrote ema.pt first too: while the moving average goes on, it is written
+        # again (now, or at the next validation); with train.ema now 0 it stays, as it would
+        if self.ema is not None and (ckpt_io.saved_step(ckpts / "ema.pt") or 0) > st.step:
             ahead.append(ckpts / "ema.pt")
             (ckpts / "ema.pt").unlink()
         if ahead:
@@ -1887,7 +1889,7 @@ class Trainer:
                 usual = "lower train.batch_tokens (raising train.accum_steps keeps an update's tokens)"
                 raise MtxError(
                     f"out of memory on {self.device} after step {st.step} "
-                    f"(train.batch_tokens={tc.batch_tokens}); {memory_advice(usual)}; {kept}. "
+                    f"(train.batch_tokens={tc.batch_tokens}); {memory_advice(usual, self.device)}; {kept}. "
                     f"Resume with: {self._resume_command()} --set train.batch_tokens=N{after}"
                 ) from None
             if self.ranks.world_size > 1 and _peer_lost(e):
@@ -2369,7 +2371,9 @@ def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path, val_digest_
                 continue
             # a key an older mtx's last.pt lacks trained as its default, as in `config_changes` (stop 67:
             # it was passed over, and `--set model.fix_norm=true` turned FixNorm on for a trained model)
-            old, new = saved.get(section, {}).get(key, default[section][key]), now[section][key]
+            if not isinstance(saved.get(section), dict):  # a section it lacks whole: not an older mtx's
+                continue
+            old, new = saved[section].get(key, default[section][key]), now[section][key]
             if old != new:
                 raise CheckpointError(
                     f"{path}: --resume cannot change {section}.{key} (the run was trained with {old!r}, "
@@ -2446,7 +2450,7 @@ class UntilReaderGone:
         return stream is self.stream
 
     def __hash__(self) -> int:
-        return id(self.stream)
+        return hash(self.stream)
 
 
 class _HeldWarnings(logging.Handler):

@@ -908,3 +908,19 @@ def test_a_run_named_in_bytes_that_are_not_utf8_or_in_cjk_is_printed_and_drawn(r
     log.emit(logging.makeLogRecord({"msg": "the next line", "levelno": logging.INFO}))
     log.close()
     assert not log.failed and (tmp_path / "train.log").read_text().endswith("the next line\n")
+
+
+def test_the_glyph_warnings_of_every_matplotlib_wording_are_quiet() -> None:
+    """matplotlib before 3.9 (pyproject allows 3.8.4) says "missing from current font", later ones
+    "missing from font(s) X": both are quiet in `plot` (stop 67 review: the first was not)."""
+    import warnings
+
+    from mtx.plot import _no_glyph_warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with _no_glyph_warnings():
+            for ending in ("current font.", "font(s) DejaVu Sans."):
+                warnings.warn(f"Glyph 26085 (\\N{{CJK UNIFIED IDEOGRAPH-65E5}}) missing from {ending}", stacklevel=1)
+        with pytest.raises(UserWarning):
+            warnings.warn("another warning", stacklevel=1)

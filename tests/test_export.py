@@ -290,6 +290,15 @@ def test_an_export_error_names_the_place_the_user_gave_not_the_staging_folder(
     out = tmp_path / "ct2"
     r = mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--out", str(out))
     assert_one_line_error(r, f"mtx: error: {out}: Read-only file system")
+
+    def taken(self: Path, *args: object, **kwargs: object) -> None:  # another export's staging folder
+        if ".partial-" in self.name:
+            raise FileExistsError(17, "File exists", str(self))
+        mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", taken)
+    r = mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--out", str(out))
+    assert_one_line_error(r, f"mtx: error: {out}: another export to it is under way (its staging folder")
     monkeypatch.setattr(Path, "mkdir", mkdir)
 
     def no_room(self: Path, *args: object, **kwargs: object) -> int:

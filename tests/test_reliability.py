@@ -37,10 +37,10 @@ from mtx.checkpoint import (
 from mtx.cli import main
 from mtx.config import TokenizerConfig, load_config
 from mtx.data import ParallelIds, epoch_length, read_lines
-from mtx.errors import MtxError, command_line, own_command
+from mtx.errors import MtxError, command_line, memory_advice, own_command
 from mtx.tokenizer import train_bpe
 
-from .conftest import REPO, main_in_process, tiny_args
+from .conftest import REPO, TINY_CONFIG, main_in_process, tiny_args
 from .test_cli import assert_one_line_error, mtx, mtx_here
 
 
@@ -872,7 +872,13 @@ def test_a_best_pt_an_mtx_before_stop_66_left_ahead_of_last_pt_is_set_aside_on_r
     shutil.copy(ckpts / "step_30.pt", ckpts / "best.pt")  # the killed validation's best (pre-66 order)
     (ckpts / "last.pt").write_bytes(last_20)  # killed in last.pt's write: step 20's stays
     best_step = load_weights_only(ckpts / "last.pt")["state"]["best_step"]
+    # with train.ema now 0, the moving average is not written again: ema.pt stays, named by its own step
+    off = shutil.copytree(run, tmp_path / "off")
     capsys.readouterr()
+    ema_off = ["train", "--run-dir", str(off), "--resume", "--set", "train.max_steps=25", "--set", "train.ema=0"]
+    assert main(ema_off) == 0
+    assert "ema.pt stays the moving average of step 30" in capsys.readouterr().err
+    assert load_weights_only(off / "checkpoints" / "ema.pt")["step"] == 30
     resume = ["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=20"]  # nothing left to train
     assert main(resume) == 0
     err = capsys.readouterr().err
@@ -2333,6 +2339,9 @@ def test_out_of_memory_under_an_address_space_limit_says_to_raise_it(
     assert "Traceback" not in err and len(lines) == 1, err
     assert "out of memory on cpu after step 3" in lines[0] and "last.pt saved at step 3" in lines[0]
     assert "3.0 GiB of address space at most (ulimit -v 3145728)" in lines[0] and "ulimit -v unlimited" in lines[0]
+    assert memory_advice("lower it", "cuda:0") == "lower it"  # a GPU's memory is not the address space
+    # a last.pt whose config lacks a whole section (hand-edited) is not taken for an older mtx's
+    train_module._check_unchanged({}, load_config(TINY_CONFIG), tmp_path / "last.pt")
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
 
     def no_memory(*args: object) -> None:
