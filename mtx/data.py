@@ -523,8 +523,11 @@ def resolve_data_dir(cfg: DataConfig) -> Path:
     everything = [(split, lang) for split in MULTI30K_SPLITS for lang in MULTI30K_LANGS]
     fetch = _missing(cache, everything) if cache.is_dir() and any(cache.iterdir()) else everything
     # every place looked in (stop 67: the copy beside the checkout, which `make` relies on, went unsaid)
-    shared = [str(path) for path in _SHARED_COPIES] or ["../shared/data/multi30k"]
-    places = f"{', '.join(['$MTX_DATA_DIR', *shared])} or {cache}"
+    shared: dict[Path, str] = {}  # each once: from the checkout's root the two are one folder
+    for path in _SHARED_COPIES:
+        shared.setdefault(path.resolve(), str(path))
+    places = ", ".join(["$MTX_DATA_DIR", *(shared.values() or ["../shared/data/multi30k"])])
+    places = f"{places} or {cache}"
     fix = f"put {_names(lacking)} (.gz or plain) into {places}, or set data.dir to a local copy"
     return download_multi30k(cache, fetch, fix).resolve()
 

@@ -359,6 +359,10 @@ def test_auto_data_completes_a_half_filled_cache_and_names_what_it_lacks(
         f"or {cache}, or set "
         "data.dir to a local copy"
     )
+    # from the checkout's root the two shared copies are one folder: named once
+    monkeypatch.setattr("mtx.data._SHARED_COPIES", (tmp_path / "one", tmp_path / "x" / ".." / "one"))
+    with pytest.raises(DataError, match=f"into \\$MTX_DATA_DIR, {tmp_path / 'one'} or {cache}, or set"):
+        resolve_data_dir(cfg)
     for lang in ("fr", "cs"):
         for split in ("train", "val", "test_2016_flickr"):
             (fake.server / f"{split}.{lang}.gz").write_bytes(gzip.compress(b"x\n"))
