@@ -34,14 +34,10 @@ from typing import IO, Any
 import torch
 
 from mtx.config import CONFIG_FILE, Config, ModelConfig, load_run_config
-from mtx.errors import CheckpointError, command_line, not_found, own_command, shown
+from mtx.errors import CheckpointError, command_line, not_found, own_command, process_limit, shown
 from mtx.model import Ensemble, Seq2Seq
 from mtx.tokenizer import BPE, load_run_tokenizers
 
-try:
-    import resource  # the file-size limit of `_write_failure` (not on Windows)
-except ImportError:  # pragma: no cover
-    resource = None  # type: ignore[assignment]
 try:
     import fcntl  # writers' locks on their temporary files (not on Windows: the process id decides)
 except ImportError:  # pragma: no cover
@@ -162,8 +158,14 @@ def hold_new(fd: int, tmp: Path) -> bool | None:
             time.sleep(0.02)
         except OSError:  # ENOLCK, EOPNOTSUPP: some network file systems
             return None
+    return _still_names(tmp, fd)
+
+
+def _still_names(path: Path, fd: int) -> bool:
+    """Whether `path` names the file open as `fd` (a cleaner's removal, or a writer's rename, may
+    have moved the name on since it was opened)."""
     try:
-        return os.stat(tmp, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        return os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
     except FileNotFoundError:
         return False
 
@@ -234,11 +236,7 @@ def abandoned(path: Path, pid: str) -> Iterator[bool]:
         except OSError:
             yield left_by_dead_process(pid)
             return
-        try:  # the name may have moved on (a writer's rename) since it was opened
-            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        yield same
+        yield _still_names(path, fd)
     finally:
         os.close(fd)
 
@@ -322,8 +320,8 @@ def _write_failure(error: RuntimeError, tmp: Path) -> str:
     process's file-size limit where the file reached it (stop 63: "67979 MiB left on its disk"
     was said of a `ulimit -f`), a full disk, or torch's words and the room left."""
     size = tmp.stat().st_size if tmp.exists() else 0
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource is not None else -1
-    if limit not in (-1, getattr(resource, "RLIM_INFINITY", -1)) and size + 2**20 >= limit:
+    limit = process_limit("RLIMIT_FSIZE")
+    if limit is not None and size + 2**20 >= limit:
         return f"File too large: the file-size limit of this process (ulimit -f) is {limit / 2**20:.1f} MiB"
     free = shutil.disk_usage(tmp.parent).free
     if free < 2**26:  # under 64 MiB
@@ -886,14 +884,19 @@ def check_best_changeable(run_dir: Path) -> None:
         pass
 
 
+def _own_best(ckpts: Path) -> dict[str, Any] | None:
+    """best.pt's top level where it is training's own single checkpoint; None where best.pt is
+    missing, unreadable or a chosen average (or moving average)."""
+    top = _top_level(ckpts / BEST) if (ckpts / BEST).is_file() else None
+    return top if top is not None and _AVERAGE_KEYS.isdisjoint(top) else None
+
+
 def training_best_step(run_dir: Path) -> int | None:
     """The step of training's own best single checkpoint: best.pt's, or best_single.pt's where a
     chosen average holds best.pt (stop 66 review: an average of the same step passed for it)."""
     ckpts = checkpoint_dir(run_dir)
-    top = _top_level(ckpts / BEST) if (ckpts / BEST).is_file() else None
-    if top is not None and _AVERAGE_KEYS.isdisjoint(top):
-        return _step_of(top)
-    return saved_step(ckpts / BEST_SINGLE)
+    top = _own_best(ckpts)
+    return _step_of(top) if top is not None else saved_step(ckpts / BEST_SINGLE)
 
 
 def set_aside_best_ahead(run_dir: Path, last_step: int, best_step: int) -> tuple[Path, Path | None] | None:
@@ -905,18 +908,16 @@ def set_aside_best_ahead(run_dir: Path, last_step: int, best_step: int) -> tuple
     (stop 67: a resume that went another way reported step 50's score as its best while best.pt
     was the killed course's step 150)."""
     ckpts = checkpoint_dir(run_dir)
-    best = ckpts / BEST
-    top = _top_level(best) if best.is_file() else None
-    step = _step_of(top) if top is not None and _AVERAGE_KEYS.isdisjoint(top) else None
+    step = _step_of(_own_best(ckpts))
     if step is None or step <= last_step:
         return None
     aside = ckpts / f"best_ahead_step_{step}.pt"
-    os.replace(best, aside)
+    os.replace(ckpts / BEST, aside)
     fsync_dir(ckpts)
     earlier = ckpts / f"step_{best_step}.pt"
     if saved_step(earlier) != best_step:
         return aside, None
-    _link(earlier, best)
+    _link(earlier, ckpts / BEST)
     return aside, earlier
 
 
@@ -925,11 +926,9 @@ def best_single(run_dir: Path) -> Path:
     read from best.pt. A best_single.pt beside training's own best.pt is outdated (an mtx before
     stop 53 left it when training saved a newer best; a `save_new_best` killed before removing
     it): stop 67, choose_on_val took it for the start, and `--apply` replaced a better best.pt."""
-    best, single = checkpoint_dir(run_dir) / BEST, checkpoint_dir(run_dir) / BEST_SINGLE
-    if not (single.is_file() and best.is_file()):
-        return single if single.is_file() else best
-    top = _top_level(best)
-    return single if top is None or not _AVERAGE_KEYS.isdisjoint(top) else best
+    ckpts = checkpoint_dir(run_dir)
+    single = ckpts / BEST_SINGLE
+    return single if single.is_file() and _own_best(ckpts) is None else ckpts / BEST
 
 
 def restore_best_single(run_dir: Path) -> Path:

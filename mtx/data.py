@@ -526,8 +526,7 @@ def resolve_data_dir(cfg: DataConfig) -> Path:
     shared: dict[Path, str] = {}  # each once: from the checkout's root the two are one folder
     for path in _SHARED_COPIES:
         shared.setdefault(path.resolve(), str(path))
-    places = ", ".join(["$MTX_DATA_DIR", *(shared.values() or ["../shared/data/multi30k"])])
-    places = f"{places} or {cache}"
+    places = ", ".join(["$MTX_DATA_DIR", *(shared.values() or ["../shared/data/multi30k"])]) + f" or {cache}"
     fix = f"put {_names(lacking)} (.gz or plain) into {places}, or set data.dir to a local copy"
     return download_multi30k(cache, fetch, fix).resolve()
 

@@ -171,22 +171,24 @@ def out_of_memory(error: BaseException) -> bool:
     RuntimeError of the CPU allocator ("DefaultCPUAllocator: can't allocate memory"), or, under an
     address-space limit, oneDNN's "could not create a primitive" (stop 67: under `ulimit -v` a
     47-line traceback, and the steps since the last validation lost)."""
+    if type(error).__name__ == "OutOfMemoryError":
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
     text = str(error)
-    return (
-        type(error).__name__ == "OutOfMemoryError"
-        or (isinstance(error, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text))
-        or (isinstance(error, RuntimeError) and "could not create a primitive" in text and address_space() is not None)
-    )
+    failed = "could not create a primitive" in text and process_limit("RLIMIT_AS") is not None
+    return failed or "can't allocate memory" in text or "out of memory" in text
 
 
-def address_space() -> int | None:
-    """This process's address-space limit in bytes (`ulimit -v`, batch systems' memory cap), or
-    None where there is none."""
+def process_limit(which: str) -> int | None:
+    """This process's limit `which`, a `resource` name (`RLIMIT_AS`: its address space, `ulimit
+    -v`, batch systems' memory cap; `RLIMIT_FSIZE`: a file's size, `ulimit -f`), or None where
+    there is none (or no `resource`: Windows)."""
     try:
         import resource
     except ImportError:  # pragma: no cover (Windows)
         return None
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    limit = resource.getrlimit(getattr(resource, which))[0]
     return None if limit in (-1, resource.RLIM_INFINITY) else limit
 
 
@@ -195,7 +197,7 @@ def memory_advice(usual: str, device: object = "cpu") -> str:
     under an address-space limit, raising that limit: torch's CPU libraries reserve address space
     beyond what a batch needs, so a smaller batch did not help (stop 67: 1,500, 300 and 200 tokens
     failed alike). A GPU's memory is not the process's address space."""
-    limit = address_space()
+    limit = process_limit("RLIMIT_AS")
     if limit is None or str(device).split(":")[0] != "cpu":
         return usual
     return (

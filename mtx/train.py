@@ -2364,17 +2364,17 @@ def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path, val_digest_
     """On resume, refuse --set changes to keys the weights, tokenizer, optimizer state or best.pt's
     comparisons depend on. Where last.pt keeps the val pairs' digest, it decides on
     train.eval_sentences (`_check_same_val`): 0 and 5,000 of 1,014 val pairs are the same pairs."""
-    now, default = to_dict(cfg), to_dict(Config())
+    # a key an older mtx's last.pt lacks trained as its default, as `config_changes` takes it (stop 67:
+    # it was passed over, and `--set model.fix_norm=true` turned FixNorm on for a trained model)
+    changes = config_changes(saved, cfg)
     for section, keys in _FIXED_ON_RESUME.items():
+        if not isinstance(saved.get(section), dict):  # a section it lacks whole: not an older mtx's
+            continue
         for key in keys:
             if val_digest_kept and (section, key) == ("train", "eval_sentences"):  # (stop 62: refused)
                 continue
-            # a key an older mtx's last.pt lacks trained as its default, as in `config_changes` (stop 67:
-            # it was passed over, and `--set model.fix_norm=true` turned FixNorm on for a trained model)
-            if not isinstance(saved.get(section), dict):  # a section it lacks whole: not an older mtx's
-                continue
-            old, new = saved[section].get(key, default[section][key]), now[section][key]
-            if old != new:
+            if f"{section}.{key}" in changes:
+                old, new = changes[f"{section}.{key}"]
                 raise CheckpointError(
                     f"{path}: --resume cannot change {section}.{key} (the run was trained with {old!r}, "
                     f"now {new!r}); start a new run for that"
