@@ -1346,7 +1346,11 @@ class Trainer:
         names = {"step": step_file.name, "ema": "ema.pt", "best": "best.pt"}
         if any(missing.values()):
             made = ", ".join(names[key] for key, gone in missing.items() if gone)
-            log.warning("the save of step %d was cut short after last.pt: %s made again from it", st.step, made)
+            if ahead or best is not None:  # that course went on past this step, and its keep_last rotated
+                # step_N.pt out (stop 67 review: "the save was cut short", of a save that was whole)
+                log.warning("%s made again from last.pt's step %d: the run cut short went on past it", made, st.step)
+            else:
+                log.warning("the save of step %d was cut short after last.pt: %s made again from it", st.step, made)
             self._save_step_files([key for key, gone in missing.items() if gone])
 
     # -- one update ------------------------------------------------------------------------

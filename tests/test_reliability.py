@@ -842,11 +842,9 @@ def test_a_save_cut_short_after_last_pt_is_completed_on_resume(
     ckpts = cut / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["last.pt"]  # nothing of step 10 but last.pt
     assert load_weights_only(ckpts / "last.pt")["step"] == 10
-    shutil.copy(ckpts / "last.pt", ckpts / "step_15.pt")  # as a run cut short on another course left it
     capsys.readouterr()
     assert main(["train", "--run-dir", str(cut), "--resume"]) == 0
     err = capsys.readouterr().err
-    assert "removed step_15.pt: saved after last.pt's step 10 by a run cut short" in err
     assert "the save of step 10 was cut short after last.pt: step_10.pt, ema.pt, best.pt made again from it" in err
     names = ["last.pt", "step_10.pt", "step_20.pt", "ema.pt", "best.pt"]
     assert sorted(p.name for p in ckpts.iterdir()) == sorted(names)
@@ -887,6 +885,32 @@ def test_a_best_pt_an_mtx_before_stop_66_left_ahead_of_last_pt_is_set_aside_on_r
     assert load_weights_only(ckpts / "best_ahead_step_30.pt")["step"] == 30
     assert (ckpts / "best.pt").samefile(ckpts / f"step_{best_step}.pt")
     assert load_weights_only(ckpts / "ema.pt")["step"] == 20  # made again from last.pt
+
+
+def test_a_step_checkpoint_rotated_out_by_a_course_cut_short_is_not_called_a_save_cut_short(
+    tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An mtx before stop 66, with keep_last 1, wrote step_20.pt and removed step_10.pt before a
+    kill in last.pt's write left step 10's: the resume made step_10.pt again, rightly, but said
+    that the save of step 10 had been cut short, a save that was whole (stop 67 review)."""
+    run = tmp_path / "run"
+    common = ["--set", "train.eval_every=10", "--set", "train.keep_last=1"]
+    assert main(mini_args(mini_data, run, *common, "--set", "train.max_steps=10")) == 0
+    ckpts = run / "checkpoints"
+    last_10 = (ckpts / "last.pt").read_bytes()
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=20"]) == 0
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best.pt", "last.pt", "step_20.pt"]
+    (ckpts / "last.pt").write_bytes(last_10)  # killed in last.pt's write (pre-66 order)
+    (ckpts / "best.pt").unlink()
+    shutil.copy(ckpts / "last.pt", ckpts / "best.pt")  # step 10's best, as it was
+    capsys.readouterr()
+    assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=10"]) == 0
+    err = capsys.readouterr().err
+    assert "removed step_20.pt: saved after last.pt's step 10 by a run cut short" in err
+    assert "step_10.pt made again from last.pt's step 10: the run cut short went on past it" in err
+    assert "the save of step 10 was cut short" not in err
+    assert sorted(p.name for p in ckpts.iterdir()) == ["best.pt", "last.pt", "step_10.pt"]
+    assert load_weights_only(ckpts / "step_10.pt")["step"] == 10
 
 
 def test_a_setting_changed_on_resume_is_not_taken_for_a_save_cut_short(
