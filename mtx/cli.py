@@ -15,7 +15,6 @@ import math
 import os
 import re
 import select
-import shlex
 import signal
 import stat
 import sys
@@ -31,6 +30,7 @@ from mtx.errors import (
     STOP_SIGNALS,
     MtxError,
     Terminated,
+    command_line,
     memory_advice,
     named_os_errors,
     not_found,
@@ -511,7 +511,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
         log.warning(
             "TEXT %r names a file, but is translated as text; to translate the file, give it on standard input (< %s)",
             texts[0],
-            shlex.quote(texts[0]),
+            command_line(texts[0]),
         )
     if from_stdin and sys.stdin is None:  # (stop 54: an AttributeError's traceback)
         raise MtxError("standard input is closed; give the sentences as TEXT arguments or on standard input")

@@ -125,7 +125,25 @@ class Terminated(KeyboardInterrupt):
 def command_line(*words: object) -> str:
     """A command for the user to copy, each word quoted as a POSIX shell needs it: a run directory
     with a space or `$` in its name gave a command that did not work when pasted."""
-    return " ".join(shlex.quote(str(word)) for word in words)
+    return " ".join(_shell_word(str(word)) for word in words)
+
+
+def _shell_word(word: str) -> str:
+    """`word` quoted for a shell. One with bytes that are not UTF-8 (a path's, held as surrogate
+    escapes) or with characters that cannot be shown on one line (a newline) is written in the
+    `$'...'` quoting of bash, zsh, ksh and POSIX.1-2024, its bytes as `\\xHH`: such a run directory
+    was named with `\\udcfc` in the "Resume with" command, which no shell reads back (stop 67)."""
+    if word.isprintable():
+        return shlex.quote(word)
+    quoted = []
+    for char in word:
+        if char in "\\'":
+            quoted.append("\\" + char)
+        elif char.isprintable():
+            quoted.append(char)
+        else:
+            quoted.extend(f"\\x{byte:02x}" for byte in os.fsencode(char))
+    return "$'" + "".join(quoted) + "'"
 
 
 def own_command(argv0: str | None = None) -> list[str]:

@@ -759,7 +759,7 @@ def test_a_second_training_on_a_run_directory_in_use_is_refused(
 # -- stop signals and kill -9 -------------------------------------------------------------------
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"])
 def test_stop_signal_saves_and_tells_how_to_resume(tmp_path: Path, mini_data: Path, sig: signal.Signals) -> None:
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / os.fsdecode(b"run \xfc")  # an old Latin-1 archive's name: typed back as $'run \xfc'
     args = mini_args(mini_data, run_dir, "--set", "train.max_steps=100000", "--set", "train.eval_every=1000")
     proc = start(tmp_path / "stderr", *args)
     wait_for(lambda: train_lines(run_dir) >= 3, proc)
@@ -777,6 +777,19 @@ def test_stop_signal_saves_and_tells_how_to_resume(tmp_path: Path, mini_data: Pa
     )
     assert main(["train", "--run-dir", str(run_dir), "--resume", "--set", f"train.max_steps={step + 3}"]) == 0
     assert load_weights_only(run_dir / "checkpoints" / "last.pt")["step"] == step + 3
+
+
+def test_a_command_to_copy_is_read_back_by_a_shell_as_the_same_words(tmp_path: Path) -> None:
+    """A run directory whose name is not UTF-8 was named with `\\udcfc` in the "Resume with"
+    command, which no shell reads back; one with a newline split the one-line message (stop 67)."""
+    words = [os.fsdecode(b"caf\xe9 \xfc"), "a\nb", "it's", "x\\y", "caf\u00e9 run", "$HOME", "tab\there", "\\\udcff'"]
+    line = command_line(*words)
+    assert line.isprintable()  # one line, café as it is typed
+    assert command_line("caf\u00e9 run") == "'caf\u00e9 run'" and command_line("a\nb") == "$'a\\x0ab'"
+    script = tmp_path / "echo.sh"
+    script.write_text(f"printf '%s\\0' {line}\n", encoding="utf-8")
+    out = subprocess.run(["bash", str(script)], capture_output=True, check=True).stdout
+    assert out.split(b"\0")[:-1] == [os.fsencode(word) for word in words]
 
 
 def test_a_run_directory_moved_while_training_is_saved_in_its_new_place(tmp_path: Path, mini_data: Path) -> None:
