@@ -118,7 +118,7 @@ class TrainConfig:
     clip_norm: float = 1.0  # 0: no clipping
     amp: str = "auto"  # auto | bf16 | fp16 | fp32
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    threads: int = 0  # CPU intra-op threads; 0: torch's default
+    threads: int = 0  # CPU intra-op threads; 0: torch's default, at most the CPUs here (affinity, cgroup quota)
     compile: bool = False
     seed: int = 1
     log_every: int = 50

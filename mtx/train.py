@@ -794,8 +794,9 @@ class Trainer:
         if ranks.is_main:  # another node cannot tell whether a writer's pid is alive
             for path in ckpt_io.clean_stale_tmp(ckpt_io.checkpoint_dir(run_dir)):
                 log.info("removed %s, left by an interrupted save", path)
-        if tc.threads:
-            torch.set_num_threads(_thread_count(tc.threads))
+        from mtx.cli import set_threads
+
+        set_threads(_thread_count(tc.threads) if tc.threads else 0)
         seed_everything(tc.seed)
         self.device = rank_device(tc.device, ranks)
         self._check_same_config()

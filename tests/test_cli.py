@@ -37,9 +37,11 @@ from mtx.cli import (
     _training_data,
     _utf8_stdout,
     build_parser,
+    cgroup_cpu_quota,
     int_in,
     main,
     score_text,
+    set_threads,
     usable_cpus,
 )
 from mtx.config import load_config, load_run_config
@@ -161,6 +163,45 @@ def test_int_in_bounds_whole_numbers() -> None:
         with pytest.raises(argparse.ArgumentTypeError, match=message.replace("(", r"\(").replace(")", r"\)")):
             parse(text)
     assert int_in(0)("1000000") == 1000000 and usable_cpus() >= 1
+
+
+def test_a_cgroup_cpu_quota_bounds_the_cpus_and_torchs_default_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a container limited to 2 CPUs (`docker --cpus 2`) on a machine of many cores, torch's
+    default ran as many threads as the machine has cores; the quota was not read (stop 67's probe,
+    by reading)."""
+    import torch
+
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    v2.mkdir()
+    for cpu_max, cpus in (("150000 100000\n", 2), ("100000 100000", 1), ("1000 100000", 1), ("max 100000", None)):
+        (v2 / "cpu.max").write_text(cpu_max)
+        assert cgroup_cpu_quota(v2) == cpus, cpu_max
+    for quota, cpus in (("50000", 1), ("300000", 3), ("-1", None)):
+        (v1 / "cpu" / "cpu.cfs_quota_us").write_text(quota + "\n")
+        (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+        assert cgroup_cpu_quota(v1) == cpus, quota
+    assert cgroup_cpu_quota(tmp_path / "none") is None
+    (v2 / "cpu.max").write_text("garbled")
+    assert cgroup_cpu_quota(v2) is None
+    affinity = len(os.sched_getaffinity(0))
+    (v2 / "cpu.max").write_text("100000 100000")
+    monkeypatch.setattr("mtx.cli.CGROUP", v2)
+    assert usable_cpus() == 1
+    (v2 / "cpu.max").write_text("100000000 100000")  # a quota above the affinity: the affinity
+    assert usable_cpus() == affinity
+    (v2 / "cpu.max").write_text("100000 100000")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)  # torch's choice on a bigger machine
+        set_threads(0)
+        assert torch.get_num_threads() == 1
+        set_threads(3)  # asked for: as asked (--threads is checked against the CPUs before)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_help_lists_every_option() -> None:
