@@ -10,4 +10,7 @@ _GONE = "mtx: error: the working directory no longer exists (it was removed); cd
 try:
     _os.getcwd()
 except FileNotFoundError:
-    raise SystemExit(_GONE) from None
+    # a program that imported torch before its directory went can use mtx (stop 68's probe: the
+    # import ended that program, past its `except Exception`)
+    if "torch" not in __import__("sys").modules:
+        raise SystemExit(_GONE) from None

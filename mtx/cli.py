@@ -35,6 +35,7 @@ from mtx.errors import (
     named_os_errors,
     not_found,
     os_error_line,
+    stderr_or_null,
     take_signals,
 )
 
@@ -1181,6 +1182,13 @@ class _WaitingWriter(io.RawIOBase):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one `mtx` command; returns its exit code (argparse's `--help`, `--version` and usage
+    errors raise SystemExit, as a command line's parser does)."""
+    with stderr_or_null():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = None
     try:
@@ -1188,7 +1196,7 @@ def main(argv: list[str] | None = None) -> int:
             with named_os_errors("standard output"):  # help or version text that cannot be written
                 args = parser.parse_args(argv)
         except SystemExit as done:  # --help, --version (0); a usage error (2, on standard error)
-            if done.code == 0:  # the help text in the buffer, written now rather than at exit (stop 55)
+            if done.code == 0 and sys.stdout is not None:  # the help text in the buffer, written now (stop 55)
                 with named_os_errors("standard output"):
                     sys.stdout.flush()
             raise
@@ -1205,25 +1213,25 @@ def main(argv: list[str] | None = None) -> int:
         if args is not None and args.verbose:
             log.exception("the traceback, for -v")
         if e.report:
-            _error_line(f"mtx: {e.prefix}{e}")
+            print(f"mtx: {e.prefix}{e}", file=sys.stderr)
         return e.exit_code
     except Terminated as e:
         if _speaks_for_the_job(args):
-            _error_line(f"mtx: stopped by {signal.Signals(e.signum).name}")
+            print(f"mtx: stopped by {signal.Signals(e.signum).name}", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:
         if _speaks_for_the_job(args):
-            _error_line("mtx: interrupted")
+            print("mtx: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 141
     except MemoryError:  # Python's own allocation (stop 67: a traceback under `ulimit -v` while the data loaded)
-        _error_line(f"mtx: error: out of memory; {memory_advice('free memory, or use a machine with more')}")
+        print(f"mtx: error: out of memory; {memory_advice('free memory, or use a machine with more')}", file=sys.stderr)
         return 1
     except OSError as e:  # a path that cannot be created, read or written; a full disk
         if args is not None and args.verbose:
             log.exception("the traceback, for -v")
-        _error_line(os_error_line("mtx", e))
+        print(os_error_line("mtx", e), file=sys.stderr)
         return 1
     finally:
         _release_stdout()
@@ -1258,13 +1266,6 @@ def _speaks_for_the_job(args: argparse.Namespace | None) -> bool:
     return args is None or args.command != "train" or not rank.isdigit() or int(rank) == 0
 
 
-def _error_line(line: str) -> None:
-    """`line` on standard error; nowhere where it is closed (print would put it on standard
-    output, into the translations: stop 54)."""
-    if sys.stderr is not None:
-        print(line, file=sys.stderr)
-
-
 def _release_stdout() -> None:
     """Where standard output cannot take what is left in its buffer (a full disk), point it at
     /dev/null: Python's own flush at exit would fail again, print an "Exception ignored" block
@@ -1280,3 +1281,7 @@ def _release_stdout() -> None:
             os.close(null)
         except (OSError, ValueError):
             pass
+
+
+if __name__ == "__main__":  # `python -m mtx.cli` as `python -m mtx` (stop 68's probe: it did nothing, exit 0)
+    raise SystemExit(main())

@@ -242,11 +242,34 @@ def os_error_line(prog: str, e: OSError) -> str:
     return f"{prog}: error: {where}{e.strerror or e}"
 
 
+@contextlib.contextmanager
+def stderr_or_null() -> Iterator[None]:
+    """Standard error, or where it is closed (`2>&-`) /dev/null in its place while a command runs:
+    tqdm, logging's lines and `print(file=sys.stderr)` fall back to standard output, into the
+    translations, where `sys.stderr` is None, and the progress bar raised an error that could not
+    be seen (stop 68's probe: `mtx eval 2>&-` and `mtx translate < in > out 2>&-` exited 1 with no
+    output; a warning became a line of translate's output, and `train`'s JSON line came after its log)."""
+    if sys.stderr is not None:
+        yield
+        return
+    sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    try:
+        yield
+    finally:
+        null, sys.stderr = sys.stderr, None
+        null.close()
+
+
 def run_script(prog: str, main: Callable[[], None]) -> None:
     """Run a script's `main` as `mtx` runs a command: a user mistake (an `MtxError`) exits with
     the one line `PROG: error: MESSAGE` and the error's exit code instead of a traceback, an
     `OSError` (a path that cannot be written, a full disk) with the path and reason and exit code
     1, Ctrl-C with 130 and a closed output pipe with 141."""
+    with stderr_or_null():
+        _run_script(prog, main)
+
+
+def _run_script(prog: str, main: Callable[[], None]) -> None:
     try:
         main()
     except MtxError as e:

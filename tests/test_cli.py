@@ -638,6 +638,39 @@ def test_standard_streams_closed_or_named_as_files(tiny_run: Path, tmp_path: Pat
     assert not Path("/dev/stdout.png").exists()
 
 
+def test_a_closed_standard_error_loses_no_output_and_adds_none(tiny_run: Path, tmp_path: Path) -> None:
+    """With standard error closed (`2>&-`), eval and translate from a pipe exited 1 with no output
+    (the progress bar wrote to None), and log lines and notes went to standard output: a warning
+    became a line of translate's output (stop 68's probe; stop 54 had seen to the error line alone)."""
+
+    def closed_2(*args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+        argv = [sys.executable, "-m", "mtx", *args]
+        return subprocess.run(  # (a pipe to its standard input, as a script's `mtx translate < in > out`)
+            argv, input=stdin, capture_output=True, cwd=tmp_path, env=_child_env(), timeout=600,
+            preexec_fn=lambda: os.close(2),
+        )  # fmt: skip
+
+    lines = b"Ein Hund.\nEine Frau.\n"
+    want = mtx("translate", "--run", str(tiny_run), "--beam", "1", stdin=lines).stdout
+    piped = closed_2("translate", "--run", str(tiny_run), "--beam", "1", stdin=lines)
+    assert piped.returncode == 0 and piped.stdout == want and len(want.splitlines()) == 2
+    (tmp_path / "s.de").write_bytes(lines)
+    warned = closed_2("translate", "--run", str(tiny_run), "--beam", "1", "s.de")  # "names a file": a warning
+    assert warned.returncode == 0 and len(warned.stdout.splitlines()) == 1, warned.stdout
+    (tmp_path / "s.en").write_text("A dog.\nA woman.\n")
+    files = ["--src", "s.de", "--ref", "s.en", "--beam", "1", "--json", "--output", "hyps.txt"]
+    scored = closed_2("eval", "--run", str(tiny_run), *files)
+    assert scored.returncode == 0 and json.loads(scored.stdout)["bleu"] >= 0
+    assert (tmp_path / "hyps.txt").read_bytes() == want
+    usage = closed_2("translate", "--beam", "x")  # argparse's usage error: its own exit code
+    assert usage.returncode == 2 and usage.stdout == b""
+    helped = subprocess.run(  # --help with standard output closed: no traceback, exit 0
+        [sys.executable, "-m", "mtx", "--help"], capture_output=True, env=_child_env(), timeout=600,
+        preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    assert helped.returncode == 0 and b"Traceback" not in helped.stderr and b"usage: mtx" in helped.stderr
+
+
 def test_translate_errors_on_a_finished_run(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert_one_line_error(
         mtx_here(monkeypatch, "translate", "--run", str(tiny_run), stdin=b"ok\n\xff\n"), "line 2 is not valid UTF-8"
@@ -1296,6 +1329,17 @@ def test_a_removed_working_directory_is_one_line(tmp_path: Path) -> None:
     assert r.returncode == 1 and r.stderr.decode().strip() == (
         "mtx: error: the working directory no longer exists (it was removed); cd to one that does"
     ), r.stderr.decode()
+    # a program that had torch before its directory went goes on: the import ended it (stop 68's probe)
+    gone.mkdir()
+    code = code.replace("import os", "import torch, os").replace("import mtx", "import mtx.cli; print('imported')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=_child_env())
+    assert r.returncode == 0 and r.stdout == b"imported\n", r.stderr.decode()
+
+
+def test_python_m_mtx_cli_runs_the_command_line() -> None:
+    """`python -m mtx.cli translate ...` did nothing and exited 0 (stop 68's probe)."""
+    r = subprocess.run([sys.executable, "-m", "mtx.cli", "--version"], capture_output=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0 and r.stdout.decode().split() == ["mtx", __import__("mtx").__version__], r.stdout
 
 
 def test_a_utf8_argument_under_an_ascii_locale_is_translated(tiny_run: Path) -> None:
