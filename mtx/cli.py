@@ -125,6 +125,8 @@ class _TqdmHandler(logging.StreamHandler):
     def emit(self, record: logging.LogRecord) -> None:
         from tqdm import tqdm
 
+        if getattr(record, "file_only", False):  # training's window line, which its progress bar shows
+            return
         try:
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # logging must never raise

@@ -790,6 +790,7 @@ class Trainer:
         self.saved_with = {"step": False, "ema": False}  # last.pt's run made step checkpoints, ema.pt
         self.ranks = ranks = ranks or Ranks()
         self.saved_step: int | None = None  # step of the newest last.pt
+        self.end_step = cfg.train.max_steps  # where the run ends, as far as known (`_epochs_end`)
         tc = cfg.train
         if ranks.is_main:  # another node cannot tell whether a writer's pid is alive
             for path in ckpt_io.clean_stale_tmp(ckpt_io.checkpoint_dir(run_dir)):
@@ -1366,8 +1367,9 @@ class Trainer:
             if self.state.batch == 0:
                 self._plan_phases()
                 self._plan_diversify()
+            ids = self._epoch_ids(self.state.epoch)
             batches = epoch_batches(
-                self._epoch_ids(self.state.epoch),
+                ids,
                 tc.batch_tokens,
                 tc.seed,
                 self.state.epoch,
@@ -1375,6 +1377,8 @@ class Trainer:
                 self.ranks.rank,
                 self.ranks.world_size,
             )
+            if tc.max_epochs:
+                self.end_step = self._epochs_end(epoch_length(ids, tc.batch_tokens, tc.seed, self.state.epoch))
             # the epoch's setup (train.diversify's translations, a BPE-dropout segmentation): the
             # loop's time, but not training throughput (stop 63: a window with it logged 1,871
             # tgt tok/s between windows of 9,500)
@@ -1400,6 +1404,33 @@ class Trainer:
                 group = []
             self.state.epoch += 1
             self.state.batch = 0
+
+    def _epochs_end_estimate(self) -> int | None:
+        """About the step that train.max_epochs ends the run at (None without it, or reached): the
+        epochs' length that of the longest epoch these settings make (the model's translations
+        taken as long as train both ways until they are made), without BPE-dropout's longer
+        segmentations. `_epochs_end` tells it exactly for each epoch as it starts."""
+        tc, st = self.cfg.train, self.state
+        if not tc.max_epochs or st.epoch >= tc.max_epochs:
+            return None
+        longest = self.train_ids.both_ways() if tc.bidirectional else self.train_ids
+        if self.extra_ids is not None:
+            longest = longest + self.extra_ids
+        if self.synthetic is not None or tc.diversify:
+            longest = longest + (self.synthetic if self.synthetic is not None else self.train_ids.both_ways())
+        batches = epoch_length(longest, tc.batch_tokens, tc.seed, st.epoch, self.ranks.world_size)
+        return st.step + (tc.max_epochs - st.epoch) * -(-batches // tc.accum_steps)
+
+    def _epochs_end(self, batches: int) -> int:
+        """The step that train.max_epochs ends the run at (at most train.max_steps), from this
+        epoch's `batches` (on all ranks), later epochs taken as long: the progress bar's end (stop
+        68's probe: it counted to train.max_steps, "39/10000 [00:04<20:52]" in a run that ended 5 s
+        after it started)."""
+        tc, st = self.cfg.train, self.state
+        per_rank = batches // self.ranks.world_size
+        left = -(-(per_rank - st.batch) // tc.accum_steps)  # an epoch's leftover batches: one more update
+        later = (tc.max_epochs - st.epoch - 1) * -(-per_rank // tc.accum_steps)
+        return min(tc.max_steps, st.step + left + later)
 
     def _extra_source_ids(self, src: list[str], tgt: list[str]) -> ParallelIds | None:
         """The train split's pairs from each of data.extra_src_langs to the target language
@@ -1776,9 +1807,10 @@ class Trainer:
         metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") if main else None
         from mtx.cli import zero_width_terminal
 
+        self.end_step = min(tc.max_steps, self._epochs_end_estimate() or tc.max_steps)
         bar = progress_bar(
             (lambda: 60 * tc.max_minutes - st.elapsed) if tc.max_minutes else None,
-            total=tc.max_steps,
+            total=self.end_step,
             initial=st.step,
             unit="step",
             dynamic_ncols=True,
@@ -1845,6 +1877,8 @@ class Trainer:
                 st.window_tokens += tokens
                 st.window_loss += loss
                 st.window_steps += 1
+                if bar.total != self.end_step:  # (train.max_epochs: its estimate, made again each epoch)
+                    bar.total = self.end_step
                 bar.update(1)
                 if st.step % tc.log_every == 0 or st.step == tc.max_steps:
                     seconds = st.window_seconds + time.perf_counter() - window_start
@@ -1934,9 +1968,7 @@ class Trainer:
     def _warn_of_settings(self) -> None:
         """Say once, as training starts, where settings train otherwise than they read: a dropout
         ramp that falls, and a budget fraction (train.schedule linear, the phases) counted of
-        train.max_steps in a run that train.max_epochs ends first. The epochs' length is that of
-        the longest epoch these settings make (the model's translations taken as long as train
-        both ways until they are made), without BPE-dropout's longer segmentations: an estimate."""
+        train.max_steps in a run that train.max_epochs ends first (`_epochs_end_estimate`)."""
         tc, st = self.cfg.train, self.state
         final = self.cfg.model.dropout
         if tc.dropout_warmup > 1 and tc.dropout_start > final and st.step < tc.dropout_warmup:
@@ -1960,15 +1992,9 @@ class Trainer:
             )
             if on
         ]
-        if not tc.max_epochs or st.epoch >= tc.max_epochs or not fractions:
+        steps = self._epochs_end_estimate()
+        if steps is None or not fractions:
             return
-        longest = self.train_ids.both_ways() if tc.bidirectional else self.train_ids
-        if self.extra_ids is not None:
-            longest = longest + self.extra_ids
-        if self.synthetic is not None or tc.diversify:
-            longest = longest + (self.synthetic if self.synthetic is not None else self.train_ids.both_ways())
-        batches = epoch_length(longest, tc.batch_tokens, tc.seed, st.epoch, self.ranks.world_size)
-        steps = st.step + (tc.max_epochs - st.epoch) * -(-batches // tc.accum_steps)
         if steps < tc.max_steps:  # (stop 65: a linear rate ended such a run at 0.96 of its peak, unsaid)
             effects = ["the rate does not decay to zero"] if tc.schedule == "linear" else []
             effects += ["a phase may cover every epoch"] if len(fractions) > len(effects) else []
@@ -2021,14 +2047,15 @@ class Trainer:
             **({"partial": True} if partial else {}),
         }
         bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tgt_tok_per_s']:.0f}")
-        if bar.disable and self.ranks.is_main:  # no bar (stderr is not a terminal): the window as a line
-            log.info(
+        if self.ranks.is_main:  # in train.log; on standard error where no bar shows it (stderr not a terminal)
+            log.info(  # (stop 68's probe: a run started on a terminal left a train.log without them)
                 "step %d/%d: loss %.3f, lr %.2e, %.0f tgt tok/s",
                 st.step,
-                self.cfg.train.max_steps,
+                self.end_step,
                 record["loss"],
                 record["lr"],
                 record["tgt_tok_per_s"],
+                extra={"file_only": not bar.disable},
             )
         _append(metrics, record)
         self._logged_step = st.step  # (a partial record leaves the window open)

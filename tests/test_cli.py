@@ -434,6 +434,26 @@ def test_training_on_a_terminal_of_no_width_logs_its_windows_as_lines(tmp_path: 
     assert b"decoding val:" in shown, shown.decode()
 
 
+def test_training_on_a_terminal_counts_to_the_epochs_end_and_logs_its_windows_to_train_log(
+    tmp_path: Path, mini_data: Path
+) -> None:
+    """With train.max_epochs, the bar counted to train.max_steps ("39/10000 [00:04<20:52]" for a
+    run that ended 5 s after it started), and a run started on a terminal wrote none of its window
+    lines (loss, lr, tgt tok/s) to train.log, where README says they are (stop 68's probe)."""
+    run = tmp_path / "run"
+    extra = ["train.max_steps=10000", "train.max_epochs=2", "train.eval_every=10000", "train.log_every=2"]
+    args = tiny_args(mini_data, run, *(a for key in [*extra, "train.eval_sentences=10"] for a in ("--set", key)))
+    shown, _ = _on_a_terminal([sys.executable, "-m", "mtx", *args], columns=100)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = max(r["step"] for r in records)
+    assert 10 < last < 30 and b"/10000" not in shown, shown.decode()
+    assert re.findall(rb"\| *\d+/(\d+) \[", shown)[-1] == str(last).encode(), shown.decode()
+    assert b"tgt tok/s" not in shown  # the bar shows them on the terminal
+    log = (run / "train.log").read_text()
+    windows = [r for r in records if r["event"] == "train"]
+    assert len(re.findall(rf"step \d+/{last}: loss [\d.]+, lr [\d.e+-]+, \d+ tgt tok/s", log)) == len(windows), log
+
+
 def test_training_on_a_terminal_clears_its_bar_before_a_log_line(tmp_path: Path, mini_data: Path) -> None:
     """The bar is drawn through `UntilReaderGone(sys.stderr)`, which tqdm did not take for stderr,
     so a log line was not preceded by the bar's clearing: each validation's line ran on from the
