@@ -147,6 +147,21 @@ def _validation_data(run_dir: Path) -> _ValData | None:
     return _ValData(direction, data.valid_split, n, str(len(pairs)), digest)
 
 
+def train_loss_name(run_dir: Path) -> str:
+    """What a run's train loss is, from its config.yaml: the loss trained on, label smoothing's and
+    R-Drop's terms included (stop 68's probe: every run's was "label-smoothed", a run without
+    smoothing too, and R-Drop's KL term unsaid, so curves that do not compare looked as if they did)."""
+    from mtx.config import load_run_config
+
+    try:
+        train = load_run_config(run_dir).train
+    except MtxError:
+        return "train loss"
+    terms = [f"label smoothing {train.label_smoothing:g}"] if train.label_smoothing else []
+    terms += [f"+ R-Drop KL x {train.rdrop:g}"] if train.rdrop else []
+    return f"train loss ({', '.join(terms)})" if terms else "train loss"
+
+
 def different_data(labels: Sequence[str], run_dirs: Sequence[Path]) -> str | None:
     """The note that the runs validate on different data, whose scores do not compare (`compare`,
     `plot`), or None where they validate on the same."""
@@ -190,10 +205,10 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
         log.warning("%s", different)
     labels = [_drawable(label) for label in labels]
     fig, (ax_loss, ax_bleu, ax_lr) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
-    for i, (label, (_, train, valid)) in enumerate(zip(labels, runs, strict=True)):
+    for i, (label, (run_dir, train, valid)) in enumerate(zip(labels, runs, strict=True)):
         color = f"C{i % 10}"
         name = "" if len(runs) == 1 else f"{label}: "
-        train_label = f"{name}train loss (label-smoothed)"
+        train_label = f"{name}{train_loss_name(run_dir)}"
         one = "." if len(train) == 1 else None  # a line of one point is not drawn (stop 65: blank panels)
         ax_loss.plot(xs(train), [e["loss"] for e in train], color=color, alpha=0.5, label=train_label, marker=one)
         ax_loss.plot(xs(valid), [e["val_loss"] for e in valid], "o-", color=color, ms=3, label=f"{name}val loss")

@@ -450,6 +450,27 @@ def test_plot_writes_a_png(run_copy: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
+def test_plot_names_the_train_loss_each_run_trained_on(run_copy: Path, tmp_path: Path) -> None:
+    """Every run's train loss was "label-smoothed", a run without smoothing too, and R-Drop's KL
+    term was unsaid: curves that do not compare looked alike (stop 68's probe)."""
+    from mtx.plot import train_loss_name
+
+    plain = shutil.copytree(run_copy, tmp_path / "plain")
+    text = (plain / "config.yaml").read_text()
+    assert "label_smoothing: 0.1" in text and "rdrop: 0.0" in text
+    (plain / "config.yaml").write_text(text.replace("label_smoothing: 0.1", "label_smoothing: 0.0"))
+    rdrop = shutil.copytree(run_copy, tmp_path / "rdrop")
+    (rdrop / "config.yaml").write_text(text.replace("rdrop: 0.0", "rdrop: 5.0"))
+    assert train_loss_name(run_copy) == "train loss (label smoothing 0.1)"
+    assert train_loss_name(plain) == "train loss"
+    assert train_loss_name(rdrop) == "train loss (label smoothing 0.1, + R-Drop KL x 5)"
+    assert train_loss_name(tmp_path / "none") == "train loss"
+    out = tmp_path / "p.svg"
+    assert main(["plot", "--run", str(plain), "--run", str(rdrop), "--out", str(out)]) == 0
+    svg = out.read_text()  # (matplotlib writes each text as a comment beside its glyphs)
+    assert "plain: train loss -->" in svg and "rdrop: train loss (label smoothing 0.1, + R-Drop KL x 5)" in svg
+
+
 def test_choose_on_val_scores_the_split_training_validated_on(
     run_copy: Path,
     small_data: Path,
