@@ -141,8 +141,11 @@ def _setup_logging(verbose: bool) -> None:
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     # torch's too: a signal in the middle of its import left its loggers unset, and at exit its
     # FakeTensor statistics printed three lines after mtx's one (stop 63: in every command)
-    for noisy in ("datasets", "fsspec", "filelock", "urllib3", "httpx", "huggingface_hub", "sacrebleu", "torch"):
+    for noisy in _NOISY:
         logging.getLogger(noisy).setLevel(logging.NOTSET if verbose else logging.WARNING)
+
+
+_NOISY = ("datasets", "fsspec", "filelock", "urllib3", "httpx", "huggingface_hub", "sacrebleu", "torch")
 
 
 def add_set_option(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -1186,8 +1189,25 @@ class _WaitingWriter(io.RawIOBase):
 def main(argv: list[str] | None = None) -> int:
     """Run one `mtx` command; returns its exit code (argparse's `--help`, `--version` and usage
     errors raise SystemExit, as a command line's parser does)."""
-    with stderr_or_null():
+    with stderr_or_null(), _logging_restored():
         return _main(argv)
+
+
+@contextlib.contextmanager
+def _logging_restored() -> Iterator[None]:
+    """The root logger's handlers and level, and the quieted libraries' levels, as they were
+    before a command: a program that runs `main` keeps its own logging (stop 68's probe: its
+    log file stopped getting lines, and other libraries' lines were muted for good)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    levels = {name: logging.getLogger(name).level for name in _NOISY}
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for name, old in levels.items():
+            logging.getLogger(name).setLevel(old)
 
 
 def _main(argv: list[str] | None) -> int:

@@ -2527,6 +2527,14 @@ class RunLog(logging.FileHandler):
         super().__init__(path, encoding="utf-8", errors="backslashreplace", delay=True)
         self.path = path
         self.failed = False
+        self.thread = threading.get_ident()  # training's
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """mtx's records, and the training thread's: not those that other threads of a program that
+        runs `mtx.cli.main` log on their own loggers (stop 68's probe: a host's heartbeat thread
+        wrote its lines into the run's train.log)."""
+        ours = record.name == "mtx" or record.name.startswith("mtx.") or record.thread == self.thread
+        return ours and bool(super().filter(record))
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.failed:

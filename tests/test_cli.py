@@ -7,6 +7,7 @@ import errno
 import fcntl
 import io
 import json
+import logging
 import os
 import pty
 import re
@@ -1354,6 +1355,44 @@ def test_a_removed_working_directory_is_one_line(tmp_path: Path) -> None:
     code = code.replace("import os", "import torch, os").replace("import mtx", "import mtx.cli; print('imported')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=_child_env())
     assert r.returncode == 0 and r.stdout == b"imported\n", r.stderr.decode()
+
+
+def test_main_leaves_the_calling_programs_logging_as_it_was(tiny_run: Path, tmp_path: Path) -> None:
+    """`main` replaced the root logger's handlers and raised its level for good: a program that
+    runs it lost its own log file's lines, and other libraries' were muted; the run's train.log
+    took the lines other threads of the program logged (stop 68's probe)."""
+    import threading
+
+    from mtx.train import RunLog
+
+    root = logging.getLogger()
+    mine = logging.FileHandler(tmp_path / "app.log")
+    handlers, level = [*root.handlers, mine], root.level
+    root.addHandler(mine)
+    try:
+        root.setLevel(logging.DEBUG)
+        assert main(["translate", "--run", str(tiny_run), "--beam", "1", "Ein Hund."]) == 0
+        assert root.handlers == handlers and root.level == logging.DEBUG
+        assert logging.getLogger("sacrebleu").level == logging.NOTSET
+        logging.getLogger("app").info("after mtx")
+    finally:
+        root.removeHandler(mine)
+        mine.close()
+        root.setLevel(level)
+    assert (tmp_path / "app.log").read_text().splitlines()[-1] == "after mtx"
+    run_log = RunLog(tmp_path / "train.log")
+    lines = [("app", "the training thread's"), ("mtx.train", "mtx's, from a worker"), ("app", "another thread's")]
+
+    def emit(name: str, message: str) -> None:
+        run_log.handle(logging.makeLogRecord({"name": name, "msg": message, "levelno": logging.INFO}))
+
+    emit(*lines[0])
+    for line in lines[1:]:
+        other = threading.Thread(target=emit, args=line)
+        other.start()
+        other.join()
+    run_log.close()
+    assert (tmp_path / "train.log").read_text().splitlines() == [lines[0][1], lines[1][1]]
 
 
 def test_python_m_mtx_cli_runs_the_command_line() -> None:
