@@ -1189,18 +1189,22 @@ class _WaitingWriter(io.RawIOBase):
 def main(argv: list[str] | None = None) -> int:
     """Run one `mtx` command; returns its exit code (argparse's `--help`, `--version` and usage
     errors raise SystemExit, as a command line's parser does)."""
-    with stderr_or_null(), _logging_restored():
+    with stderr_or_null(), _callers_state_kept():
         return _main(argv)
 
 
 @contextlib.contextmanager
-def _logging_restored() -> Iterator[None]:
-    """The root logger's handlers and level, and the quieted libraries' levels, as they were
-    before a command: a program that runs `main` keeps its own logging (stop 68's probe: its
-    log file stopped getting lines, and other libraries' lines were muted for good)."""
+def _callers_state_kept() -> Iterator[None]:
+    """What a command changes for its process, as it was before, for a program that runs `main`
+    (stop 68's probe): the root logger's handlers and level and the quieted libraries' levels (its
+    log file stopped getting lines, other libraries' were muted for good), standard output's
+    object and encoding (switched to UTF-8 for good), and torch's thread count (`--threads`)."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     levels = {name: logging.getLogger(name).level for name in _NOISY}
+    stdout = sys.stdout
+    encoding = (getattr(stdout, "encoding", None), getattr(stdout, "errors", None))
+    threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
     try:
         yield
     finally:
@@ -1208,6 +1212,15 @@ def _logging_restored() -> Iterator[None]:
         root.setLevel(level)
         for name, old in levels.items():
             logging.getLogger(name).setLevel(old)
+        if sys.stdout is not stdout:  # `_utf8_stdout`'s writer that waits on a non-blocking descriptor
+            with contextlib.suppress(OSError, ValueError):
+                sys.stdout.flush()
+            sys.stdout = stdout
+        if stdout is not None and hasattr(stdout, "reconfigure") and (stdout.encoding, stdout.errors) != encoding:
+            with contextlib.suppress(OSError, ValueError, LookupError):
+                stdout.reconfigure(encoding=encoding[0], errors=encoding[1])
+        if threads is not None:
+            sys.modules["torch"].set_num_threads(threads)
 
 
 def _main(argv: list[str] | None) -> int:
