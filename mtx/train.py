@@ -64,6 +64,7 @@ from mtx.errors import (
     STOP_SIGNALS,
     CheckpointError,
     ConfigError,
+    DataError,
     Interrupted,
     MtxError,
     command_line,
@@ -806,6 +807,14 @@ class Trainer:
         if tc.amp == "auto" and self.device.type == "cpu" and ranks.world_size > 1:
             # each rank timed bf16 on its own (`cpu_bf16_speedup`): rank 0's choice holds for all
             self.amp = torch.bfloat16 if self._from_main(self.amp is not None) else None
+        elif tc.amp == "auto" and ranks.world_size > 1:
+            # each GPU's own: bf16 where it computes it natively, else fp16 with the loss scaler; the
+            # job takes the one every rank has (stop 68's probe, simulated: bf16 and fp16 ranks averaged
+            # scaled and unscaled gradients, and the replicas drifted apart from the first update)
+            kinds = [None, torch.float16, torch.bfloat16]
+            t = torch.tensor([kinds.index(self.amp)], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            self.amp = kinds[int(t.item())]
 
         data_dir = resolve_data_dir(cfg.data)
         if corpus is None:
@@ -840,6 +849,7 @@ class Trainer:
         self.extra_texts = ([extra_texts[0][i] for i in kept], [extra_texts[1][i] for i in kept])
         # what the epochs' plans are made of: a resume mid-epoch on other data starts the next epoch
         self.data_digest = data_digest(train_src, train_tgt, *extra_texts)
+        self._check_same_data(data_dir, data_digest([self.data_digest], valid_src, valid_tgt))
         # (epoch, its BPE-dropout segmentation of train's pairs, of the extra-source pairs and of the
         # model's translations, the last two None where the epoch has none: `_segmented_ids`)
         self.epoch_ids: tuple[int, ParallelIds, ParallelIds | None, ParallelIds | None] | None = None
@@ -967,6 +977,23 @@ class Trainer:
             raise ConfigError(f"rank {self.ranks.rank}'s config differs from rank 0's at {', '.join(differ)}; {same}")
         if flag.item():
             raise ConfigError(f"another rank's config differs from rank 0's (its error names the keys); {same}")
+
+    def _check_same_data(self, data_dir: Path, digest: str) -> None:
+        """Every rank trains and validates on rank 0's pairs (`digest`, of the train, extra-source
+        and val texts): `data.dir` is each machine's own (stop 68's probe: a shorter train copy on
+        one machine hung a train.max_epochs job at that rank's epoch end, with nothing saved)."""
+        if self.ranks.world_size == 1:
+            return
+        box: list[Any] = [digest if self.ranks.is_main else None]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        differ = box[0] != digest
+        flag = torch.tensor([float(differ)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops, not only the one that differs
+        same = "give every machine the same data"
+        if differ:
+            raise DataError(f"rank {self.ranks.rank}'s data ({data_dir}) differs from rank 0's; {same}")
+        if flag.item():
+            raise DataError(f"another rank's data differs from rank 0's (its error names it); {same}")
 
     def _from_main(self, flag: bool) -> bool:
         """Rank 0's `flag` on every rank (the others wait here for rank 0)."""
@@ -1209,19 +1236,28 @@ class Trainer:
         """The last step validated, for a last.pt of an mtx before stop 54, which did not keep it:
         the last "valid" record of metrics.jsonl up to last.pt's step. Such an mtx saved last.pt
         at any step when a signal stopped it (stop 67: that step was taken as validated, a save
-        "cut short" was reported and an unvalidated step_N.pt made). Under DDP, or without a
-        readable metrics.jsonl, last.pt's step, as before: every rank must decide alike."""
+        "cut short" was reported and an unvalidated step_N.pt made). Without a readable
+        metrics.jsonl, last.pt's step, as before. Under DDP rank 0 reads it for every rank (stop 68's
+        probe: under torchrun the step was still taken as validated)."""
         step = self.state.step
-        if self.ranks.world_size > 1:
-            return step
+        if not self.ranks.is_main:
+            return self._steps_from_main([0])[0]
         try:
             events = read_metrics(self.run_dir)
         except (MtxError, OSError):
-            return step
+            return self._steps_from_main([step])[0]
         valid = [
             e["step"] for e in events if e.get("event") == "valid" and type(e.get("step")) is int and e["step"] <= step
         ]
-        return max(valid, default=-1)
+        return self._steps_from_main([max(valid, default=-1)])[0]
+
+    def _steps_from_main(self, steps: list[int]) -> list[int]:
+        """Rank 0's whole numbers `steps` on every rank."""
+        if self.ranks.world_size == 1:
+            return steps
+        t = torch.tensor(steps, dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=0)
+        return [int(v) for v in t.tolist()]
 
     def _trim_metrics(self) -> None:
         """Drop metrics logged after the restored step (they will be logged again), partial train
@@ -1865,12 +1901,14 @@ class Trainer:
                     if self.ranks.is_main:  # (stop 66: once per rank)
                         log.warning("non-finite loss or gradient after step %d: update skipped", st.step)
                     if st.bad_steps_in_row >= tc.max_bad_steps:
-                        raise MtxError(
+                        error = MtxError(
                             f"{st.bad_steps_in_row} non-finite steps in a row after step {st.step} "
                             f"(train.max_bad_steps); training stopped, checkpoints/last.pt from step "
                             f"{self.saved_step} kept; lower train.lr"
                             + (" or use train.amp=fp32" if self.amp is not None else "")
                         )  # (stop 64: fp32 was advised to runs already in fp32)
+                        error.report = self.ranks.is_main  # every rank stops alike (stop 68's probe: once each)
+                        raise error
                     continue
                 st.bad_steps_in_row = 0
                 st.step += 1
@@ -2691,8 +2729,14 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> tuple[TrainState, P
             try:
                 trainer = Trainer(cfg, run_dir, resume, corpus, ranks, extra_texts, last)
                 del last  # the whole checkpoint, optimizer state included: not held while training
-            except BaseException:  # a setup error (bad data for this config), or a stop: leave no half-made run
+            except BaseException as e:  # a setup error (bad data for this config), or a stop: leave no half-made run
                 failed_start = new_dir and ranks.is_main
+                if isinstance(e, RuntimeError) and ranks.world_size > 1 and _peer_lost(e):
+                    # rank 0 refused the resume, say, and ended (stop 68's probe: gloo's 30-line traceback here)
+                    raise MtxError(
+                        f"another process of this torchrun job ended while setting up ({_first_line(e)}); "
+                        "its error says why"
+                    ) from None
                 raise
             finally:
                 stop.at_once = False

@@ -1408,7 +1408,9 @@ def test_the_readmes_python_example_translates_as_the_command_does(tiny_run: Pat
     assert 'Path("runs/tiny")' in code
     sentences = ["Ein Mann f\u00e4hrt Fahrrad.", "Zwei Hunde spielen im Schnee."]
     marked = ["\ufeff" + sentences[0] + " \t", "\u200e" + sentences[1] + "\u200f"]
-    code = code.replace('Path("runs/tiny")', f"Path({str(tiny_run)!r})").replace(json.dumps(sentences, ensure_ascii=False), repr(marked))
+    code = code.replace('Path("runs/tiny")', f"Path({str(tiny_run)!r})").replace(
+        json.dumps(sentences, ensure_ascii=False), repr(marked)
+    )
     assert repr(marked) in code
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

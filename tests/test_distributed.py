@@ -23,7 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from mtx.config import Config, load_config
 from mtx.data import Batch, ParallelIds, epoch_batches, plan_batches
-from mtx.errors import ConfigError, Terminated, command_line, torchrun_command
+from mtx.errors import ConfigError, DataError, Terminated, command_line, torchrun_command
 from mtx.train import Ranks, Trainer, prepare_run_dir
 
 from .conftest import REPO, TINY_CONFIG, tiny_args
@@ -323,10 +323,72 @@ def test_ranks_with_different_configs_stop_at_once(tmp_path: Path, mini_data: Pa
     assert (tmp_path / "error0.txt").read_text().startswith("another rank's config differs from rank 0's")
 
 
+def data_worker(rank: int, data_dir: Path, run_dir: Path, store: Path, out: Path) -> None:
+    """Rank 1 with its own copy of the data (another data.dir), one train pair shorter."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    own = [f"data.dir={data_dir if rank == 0 else out / 'copy'}", "train.threads=1", "train.device=cpu"]
+    try:
+        Trainer(load_config(TINY_CONFIG, own), run_dir, resume=False, ranks=Ranks(rank, rank, 2))
+    except DataError as e:
+        (out / f"error{rank}.txt").write_text(str(e))
+    finally:
+        destroy_after_freeing()
+
+
+def test_ranks_with_different_data_stop_at_once(tmp_path: Path, mini_data: Path) -> None:
+    """data.dir is each machine's own, and each rank's data was never compared with rank 0's: a
+    shorter copy on one machine hung a train.max_epochs job at that rank's epoch end, and without
+    an epoch limit each rank trained and validated on its own pairs (stop 68's probe)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    copy = shutil.copytree(mini_data, tmp_path / "copy")
+    for lang in ("de", "en"):
+        lines = (copy / f"train.{lang}").read_text(encoding="utf-8").splitlines(keepends=True)
+        (copy / f"train.{lang}").write_text("".join(lines[:-1]), encoding="utf-8")
+    mp.spawn(data_worker, args=(mini_data, run_dir, tmp_path / "store", tmp_path), nprocs=2, join=True)
+    same = "give every machine the same data"
+    assert (tmp_path / "error1.txt").read_text() == f"rank 1's data ({copy}) differs from rank 0's; {same}"
+    other = f"another rank's data differs from rank 0's (its error names it); {same}"
+    assert (tmp_path / "error0.txt").read_text() == other
+
+
 def torchrun(*args: str) -> subprocess.CompletedProcess[bytes]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([*command, "-m", "mtx", *args], capture_output=True, cwd=REPO, env=env, timeout=600)
+
+
+def test_torchrun_resumes_an_old_last_pt_by_its_validations_and_a_refused_resume_is_one_line_a_rank(
+    tmp_path: Path, mini_data: Path
+) -> None:
+    """Under torchrun a last.pt of an mtx before stop 54, which a signal stopped between
+    validations, was still taken as validated at its step ("the save of step 20 was cut short",
+    no validation); a resume that rank 0 refused left rank 1's 30-line traceback of gloo (stop
+    68's probe)."""
+    run_dir = tmp_path / "run"
+    common = ("--set", "train.eval_every=10", "--set", "train.eval_sentences=10", "--set", "train.device=cpu")
+    r = torchrun(*tiny_args(mini_data, run_dir, *common, "--set", "train.max_steps=20"))
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    refused = torchrun("train", "--run-dir", str(run_dir), "--resume", "--set", "model.d_ff=256")
+    err = refused.stderr.decode()
+    assert refused.returncode != 0 and "[rank1]:" not in err, err[-3000:]  # (torchrun's own traceback follows)
+    lines = sorted(line for line in err.splitlines() if line.startswith("mtx: "))
+    assert len(lines) == 2 and "--resume cannot change model.d_ff" in lines[0], err[-3000:]
+    assert lines[1].startswith("mtx: error: another process of this torchrun job ended while setting up (")
+    # as an mtx before stop 54 left it: stopped at step 20 before its validation, no validated_step
+    last = run_dir / "checkpoints" / "last.pt"
+    ckpt = torch.load(last, weights_only=True)
+    del ckpt["state"]["validated_step"]
+    torch.save(ckpt, last)
+    metrics = run_dir / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records if (r["event"], r["step"]) != ("valid", 20)))
+    (run_dir / "checkpoints" / "step_20.pt").unlink()
+    r = torchrun("train", "--run-dir", str(run_dir), "--resume")
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "cut short" not in err and "step 20: val loss" in err, err[-3000:]
+    assert [(r["event"], r["step"]) for r in map(json.loads, metrics.read_text().splitlines())][-1] == ("valid", 20)
 
 
 def test_torchrun_trains_resumes_and_translates(tmp_path: Path, mini_data: Path) -> None:
