@@ -446,14 +446,22 @@ def translate_ids(
     except RuntimeError as e:  # (stop 63: a 20-line traceback, with no word on what to lower)
         if not out_of_memory(e):
             raise
-        raise MtxError(
-            f"out of memory decoding on {device} in batches of {batch_tokens} source tokens with beam {beam}; "
-            + memory_advice("lower --batch-tokens (decode.batch_tokens)", device)
-        ) from None
+        where = f"out of memory decoding on {device} in batches of {batch_tokens} source tokens with beam {beam}"
+        advice = memory_advice("lower --batch-tokens (decode.batch_tokens)", device)
+        raise DecodeOutOfMemory(f"{where}; {advice}", where) from None
     for batch, hyps in zip(batches, decoded, strict=True):
         for j, h in zip(batch, hyps, strict=True):
             results[todo[j]] = h
     return results
+
+
+class DecodeOutOfMemory(MtxError):
+    """Decoding ran out of memory; `where`: what it decoded, for a caller's own advice (`mtx train`
+    has no --batch-tokens)."""
+
+    def __init__(self, message: str, where: str) -> None:
+        super().__init__(message)
+        self.where = where
 
 
 def decode_workers(workers: int, device: torch.device) -> int:

@@ -79,7 +79,7 @@ from mtx.errors import (
 from mtx.evaluate import corpus_scores
 from mtx.model import Dropout, Seq2Seq, make_src_mask
 from mtx.plot import parent_directories, read_metrics
-from mtx.search import translate, translate_ids
+from mtx.search import DecodeOutOfMemory, translate, translate_ids
 from mtx.tokenizer import BPE, PAD, UNK, load_run_tokenizers, tokenizer_paths, train_or_load
 
 if TYPE_CHECKING:
@@ -1925,7 +1925,15 @@ class Trainer:
                 at_eval = st.step % tc.eval_every == 0 or st.step == tc.max_steps
                 if at_eval:
                     st.window_seconds += time.perf_counter() - window_start  # saved with last.pt
-                    out_of_patience = self._evaluate(metrics)
+                    try:
+                        out_of_patience = self._evaluate(metrics)
+                    except DecodeOutOfMemory as e:  # (stop 68's probe: "lower --batch-tokens", which train refuses)
+                        raise MtxError(
+                            f"{e.where}, validating step {st.step}; "
+                            f"{memory_advice('lower decode.batch_tokens', self.device)}; last.pt from step "
+                            f"{self.saved_step} is kept. Resume with: {self._resume_command()} "
+                            "--set decode.batch_tokens=N"
+                        ) from None
                     now = time.perf_counter()
                     st.elapsed += now - last_time  # validating and saving are the loop's time (max_minutes)
                     window_start = now  # but not training throughput (tgt_tok_per_s)
@@ -2571,7 +2579,8 @@ class RunLog(logging.FileHandler):
         """mtx's records, and the training thread's: not those that other threads of a program that
         runs `mtx.cli.main` log on their own loggers (stop 68's probe: a host's heartbeat thread
         wrote its lines into the run's train.log)."""
-        ours = record.name == "mtx" or record.name.startswith("mtx.") or record.thread == self.thread
+        name = record.name or ""  # (None in mtx's own `makeLogRecord`s)
+        ours = name == "mtx" or name.startswith("mtx.") or record.thread == self.thread
         return ours and bool(super().filter(record))
 
     def emit(self, record: logging.LogRecord) -> None:

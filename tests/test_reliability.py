@@ -1211,6 +1211,13 @@ def test_out_of_memory_in_a_training_step_or_a_decode_is_one_line(
     monkeypatch.setattr(search, "greedy_search", no_memory)
     r = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", "Ein Hund.")
     assert_one_line_error(r, "out of memory decoding on cpu in batches of", "lower --batch-tokens")
+    # in training's validation: not --batch-tokens, which `mtx train` refuses, and what is kept (stop 68's probe)
+    capsys.readouterr()
+    validating = tmp_path / "validating"
+    assert main(mini_args(mini_data, validating, *common, "--set", "train.max_steps=20")) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mtx: error:")]
+    assert len(lines) == 1 and "validating step 10; lower decode.batch_tokens; last.pt from step 0 is kept" in lines[0]
+    assert lines[0].endswith("--resume --set decode.batch_tokens=N") and "--batch-tokens" not in lines[0]
 
 
 # -- nothing executed ----------------------------------------------------------------------------
