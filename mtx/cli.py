@@ -936,10 +936,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
     samples = args.bootstrap or (PAIRED_SAMPLES if args.paired else 0)
     if samples * len(src) > MAX_RESAMPLED:  # before decoding; sacreBLEU would run out of memory after it
+        most = MAX_RESAMPLED // len(src)
+        # (stop 68's probe: past 250,000 sentences it advised a count below the least one allowed)
+        fix = (
+            f"pass --bootstrap {most} or fewer"
+            if most >= MIN_BOOTSTRAP
+            else f"they take at most {MAX_RESAMPLED // MIN_BOOTSTRAP:,} sentences; score a sample of the lines"
+        )
+        paired = "" if args.bootstrap else " (--paired's test)"
         raise MtxError(
-            f"{samples} bootstrap resamples of {len(src)} sentences take "
-            f"{samples * len(src) * BYTES_PER_RESAMPLED / 2**30:.1f} GiB "
-            f"in sacreBLEU; pass --bootstrap {MAX_RESAMPLED // len(src)} or fewer"
+            f"{samples} bootstrap resamples{paired} of {len(src)} sentences take "
+            f"{samples * len(src) * BYTES_PER_RESAMPLED / 2**30:.1f} GiB in sacreBLEU; {fix}"
         )
     # the other systems' outputs, read and counted before decoding: a wrong file fails at once
     others = [(str(path), read_lines(path, allow_empty=True, as_scored=True)) for path in args.paired]

@@ -78,7 +78,7 @@ def test_paired_test_finds_a_real_difference_and_none_between_identical_outputs(
 
 
 def test_eval_prints_intervals_and_paired_tests(
-    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first = tmp_path / "greedy.en"
     args = ["eval", "--run", str(tiny_run), "--split", "val", "--beam", "1"]
@@ -117,6 +117,14 @@ def test_eval_prints_intervals_and_paired_tests(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "400000 bootstrap resamples of 200 sentences take 6.3 GiB" in err
     assert "pass --bootstrap 125000 or fewer" in err
+    # where fewer than the least resamples fit, it said to pass that fewer (stop 68's probe, at 290,000 lines)
+    import mtx.evaluate
+
+    monkeypatch.setattr(mtx.evaluate, "MAX_RESAMPLED", 200 * 99)
+    for option, named in (("--bootstrap", "100 bootstrap resamples of"), ("--paired", "(--paired's test) of")):
+        assert main([*args, option, "100" if option == "--bootstrap" else str(first)]) == 1
+        err = capsys.readouterr().err
+        assert named in err and err.strip().endswith("they take at most 198 sentences; score a sample of the lines")
 
 
 def test_the_bootstrap_memory_guard_counts_what_sacrebleu_holds(refs: list[str]) -> None:
