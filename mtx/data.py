@@ -493,7 +493,13 @@ def resolve_data_dir(cfg: DataConfig) -> Path:
         if path.exists() and not path.is_dir():
             raise DataError(f"data.dir: {path} is a file, not a directory; set data.dir to a data dir")
         if not path.is_dir():
-            raise DataError(f"data.dir: directory {path} does not exist; set data.dir to a data dir")
+            # (stop 68's probe: a config's `../data` looked for beside the config, unsaid)
+            here = (
+                ""
+                if path.is_absolute()
+                else f" (a relative data.dir is read from the working directory: {path.absolute()})"
+            )
+            raise DataError(f"data.dir: directory {path} does not exist{here}; set data.dir to a data dir")
         return path.resolve()
     needed = _needed(cfg)
     env = os.environ.get("MTX_DATA_DIR")

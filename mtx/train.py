@@ -966,17 +966,15 @@ class Trainer:
         55: a `--set train.max_steps` given on one machine only hung the job at that rank's end)."""
         if self.ranks.world_size == 1:
             return
-        box: list[Any] = [to_dict(self.cfg) if self.ranks.is_main else None]
-        dist.broadcast_object_list(box, src=0, device=self.device)
-        main, mine = _flat(box[0]), _flat(to_dict(self.cfg))
+        main, mine = _flat(self._object_from_main(to_dict(self.cfg))), _flat(to_dict(self.cfg))
         differ = [key for key, value in main.items() if key not in _PER_MACHINE and mine.get(key) != value]
-        flag = torch.tensor([float(bool(differ))], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops, not only the one that differs
         same = "give every process the same config and --set"
-        if differ:
-            raise ConfigError(f"rank {self.ranks.rank}'s config differs from rank 0's at {', '.join(differ)}; {same}")
-        if flag.item():
-            raise ConfigError(f"another rank's config differs from rank 0's (its error names the keys); {same}")
+        self._all_stop_where(
+            ConfigError(f"rank {self.ranks.rank}'s config differs from rank 0's at {', '.join(differ)}; {same}")
+            if differ
+            else None,
+            ConfigError(f"another rank's config differs from rank 0's (its error names the keys); {same}"),
+        )
 
     def _check_same_data(self, data_dir: Path, digest: str) -> None:
         """Every rank trains and validates on rank 0's pairs (`digest`, of the train, extra-source
@@ -984,16 +982,28 @@ class Trainer:
         one machine hung a train.max_epochs job at that rank's epoch end, with nothing saved)."""
         if self.ranks.world_size == 1:
             return
-        box: list[Any] = [digest if self.ranks.is_main else None]
-        dist.broadcast_object_list(box, src=0, device=self.device)
-        differ = box[0] != digest
-        flag = torch.tensor([float(differ)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops, not only the one that differs
         same = "give every machine the same data"
-        if differ:
-            raise DataError(f"rank {self.ranks.rank}'s data ({data_dir}) differs from rank 0's; {same}")
+        self._all_stop_where(
+            DataError(f"rank {self.ranks.rank}'s data ({data_dir}) differs from rank 0's; {same}")
+            if self._object_from_main(digest) != digest
+            else None,
+            DataError(f"another rank's data differs from rank 0's (its error names it); {same}"),
+        )
+
+    def _object_from_main(self, value: Any) -> Any:
+        """Rank 0's `value` (any picklable object) on every rank."""
+        box = [value if self.ranks.is_main else None]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        return box[0]
+
+    def _all_stop_where(self, mine: MtxError | None, other: MtxError) -> None:
+        """Every rank stops where one has an error (`mine`, on that rank): `other` on the rest."""
+        flag = torch.tensor([float(mine is not None)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if mine is not None:
+            raise mine
         if flag.item():
-            raise DataError(f"another rank's data differs from rank 0's (its error names it); {same}")
+            raise other
 
     def _from_main(self, flag: bool) -> bool:
         """Rank 0's `flag` on every rank (the others wait here for rank 0)."""

@@ -67,10 +67,15 @@ def test_loads_plain_and_gz_files_from_a_directory(tmp_path: Path, caplog: pytes
     ]
 
 
-def test_data_errors(tmp_path: Path) -> None:
+def test_data_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = DataConfig(dir=str(tmp_path), src_lang="de", tgt_lang="en")
-    with pytest.raises(DataError, match="does not exist"):
+    with pytest.raises(DataError, match="does not exist; set data.dir"):
         resolve_data_dir(DataConfig(dir=str(tmp_path / "nope")))
+    # a relative one is read from the working directory, which the line says (stop 68's probe: it did not)
+    monkeypatch.chdir(tmp_path)
+    here = rf"\.\./data does not exist \(a relative data.dir is read from the working directory: {tmp_path}/"
+    with pytest.raises(DataError, match=here):
+        resolve_data_dir(DataConfig(dir="../data"))
     with pytest.raises(DataError, match="split 'train' missing"):
         load_corpus(tmp_path, cfg, ["train"])
     (tmp_path / "train.de").write_text("a\nb\nc\n")
