@@ -1785,7 +1785,12 @@ class Trainer:
         st = self.state
         limit = None
         if not self.resumed:
-            self.save()  # from here on the run can always be resumed
+            try:
+                self.save()  # from here on the run can always be resumed
+            except RuntimeError as e:  # (stop 68's probe: rank 0 failing to write it left gloo's traceback here)
+                if self.ranks.world_size > 1 and _peer_lost(e):
+                    raise self._peer_lost_error(e) from None
+                raise
         else:
             if self.ranks.is_main:
                 self._complete_step_files()
@@ -2016,6 +2021,8 @@ class Trainer:
     def _peer_lost_error(self, error: BaseException) -> MtxError:
         """The one line for a collective that failed because another rank's process ended (stop
         62: rank 0 printed gloo's 28-line traceback, and nothing on what was kept)."""
+        if self.saved_step is None:  # (in step 0's save: nothing to resume)
+            return MtxError(f"another process of this torchrun job ended ({_first_line(error)}); nothing was saved")
         return MtxError(
             f"another process of this torchrun job ended ({_first_line(error)}); the run is kept as "
             f"last.pt saved it at step {self.saved_step}. Resume with: {self._resume_command()}"

@@ -23,7 +23,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from mtx.config import Config, load_config
 from mtx.data import Batch, ParallelIds, epoch_batches, plan_batches
-from mtx.errors import ConfigError, DataError, Terminated, command_line, torchrun_command
+from mtx.errors import ConfigError, DataError, MtxError, Terminated, command_line, torchrun_command
 from mtx.train import Ranks, Trainer, prepare_run_dir
 
 from .conftest import REPO, TINY_CONFIG, tiny_args
@@ -351,6 +351,45 @@ def test_ranks_with_different_data_stop_at_once(tmp_path: Path, mini_data: Path)
     assert (tmp_path / "error1.txt").read_text() == f"rank 1's data ({copy}) differs from rank 0's; {same}"
     other = f"another rank's data differs from rank 0's (its error names it); {same}"
     assert (tmp_path / "error0.txt").read_text() == other
+
+
+def first_save_worker(rank: int, data_dir: Path, run_dir: Path, store: Path, out: Path) -> None:
+    """Rank 0 cannot write step 0's last.pt (a full disk): its process ends."""
+    import mtx.checkpoint
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    cfg = load_config(TINY_CONFIG, [f"data.dir={data_dir}", "train.threads=1", "train.device=cpu"])
+    trainer = Trainer(cfg, run_dir, resume=False, ranks=Ranks(rank, rank, 2))
+    if rank == 0:
+        mtx.checkpoint.atomic_save = full
+        try:
+            trainer.fit()
+        except OSError:
+            os._exit(1)  # as the process ends after its one line
+    try:
+        trainer.fit()
+    except MtxError as e:
+        (out / "error1.txt").write_text(str(e))
+    del trainer
+    os._exit(0)
+
+
+def test_rank_0_failing_to_write_step_0_leaves_one_line_on_the_others(tmp_path: Path, mini_data: Path) -> None:
+    """Step 0's save was outside the lost-peer handling: rank 0 failing to write it (a full disk)
+    left gloo's traceback on rank 1, and its line would have named "step None" (stop 68's probe)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    context = mp.start_processes(
+        first_save_worker, args=(mini_data, run_dir, tmp_path / "store", tmp_path), nprocs=2, join=False
+    )
+    for process in context.processes:
+        process.join(timeout=300)
+    error = (tmp_path / "error1.txt").read_text()
+    assert error.startswith("another process of this torchrun job ended (") and error.endswith("); nothing was saved")
 
 
 def torchrun(*args: str) -> subprocess.CompletedProcess[bytes]:
