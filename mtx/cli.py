@@ -574,7 +574,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
         terminal = sys.stdin.isatty()
         # a file or pipe in and out: a bar of the lines done on the terminal's stderr
         show_bar = not terminal and not sys.stdout.isatty()
-        chunks = stream_lines(sys.stdin.buffer, args.buffer_lines, "standard input", "the input")
+        chunks = stream_lines(_binary_stdin(), args.buffer_lines, "standard input", "the input")
     else:
         # a TEXT holding line breaks (`"$(cat notes.txt)"`) is its lines, as on standard input
         # (stop 62: translated as one sentence, its line breaks as pieces)
@@ -845,6 +845,27 @@ def _is_stdout(path: Path) -> bool:
     except (OSError, ValueError, AttributeError):  # no such path; a stream without a descriptor
         return False
     return (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino)
+
+
+class _EncodedLines:
+    """A text stream's lines as UTF-8 bytes, for a standard input that has no bytes beneath it
+    (`io.StringIO`, a notebook's): no descriptor, so `stream_lines` reads it line by line."""
+
+    def __init__(self, text: IO[str]) -> None:
+        self.text = text
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("a text stream")
+
+    def __iter__(self) -> Iterator[bytes]:
+        return (line.encode("utf-8", "surrogateescape") for line in self.text)
+
+
+def _binary_stdin() -> Any:
+    """Standard input's bytes (stop 68's probe: one that holds text only, as a program running `main`
+    may set, ended in an AttributeError)."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    return buffer if buffer is not None else _EncodedLines(sys.stdin)
 
 
 def _stdin_is_stdout() -> bool:

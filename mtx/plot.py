@@ -235,9 +235,12 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
         with _no_glyph_warnings():
             fig.savefig(image, dpi=100, format=image_type)
         if to_stdout:
+            binary = getattr(sys.stdout, "buffer", None)
+            if binary is None:  # (stop 68's probe: a notebook's standard output, an AttributeError)
+                raise MtxError("--out -: standard output takes text only here, not an image; give --out FILE")
             with named_os_errors("standard output"):
-                sys.stdout.buffer.write(image.getvalue())
-                sys.stdout.buffer.flush()
+                binary.write(image.getvalue())
+                binary.flush()
             return out
         with parent_directories(out):  # (stop 57: a failed plot left the directories it had made)
             if (target := replaced_at(out)) is not None:  # a new file renamed over the old one

@@ -1421,6 +1421,23 @@ def test_the_readmes_python_example_translates_as_the_command_does(tiny_run: Pat
     assert got == want.splitlines() and len(got) == 2
 
 
+def test_text_only_standard_streams_as_a_notebook_has_them(
+    tiny_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A program running `main` with a standard input or output of text alone (`io.StringIO`,
+    Jupyter's): translate from standard input and `plot --out -` ended in an AttributeError
+    (stop 68's probe)."""
+    lines = "Ein Hund.\nEine Frau.\n"
+    want = mtx("translate", "--run", str(tiny_run), "--beam", "1", stdin=lines.encode()).stdout.decode()
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    assert main(["translate", "--run", str(tiny_run), "--beam", "1"]) == 0
+    assert capsys.readouterr().out == want and len(want.splitlines()) == 2
+    monkeypatch.setattr(sys, "stdout", text := io.StringIO())
+    assert main(["plot", "--run", str(tiny_run), "--out", "-"]) == 1
+    assert "--out -: standard output takes text only here, not an image; give --out FILE" in capsys.readouterr().err
+    assert text.getvalue() == ""
+
+
 def test_python_m_mtx_cli_runs_the_command_line() -> None:
     """`python -m mtx.cli translate ...` did nothing and exited 0 (stop 68's probe)."""
     r = subprocess.run([sys.executable, "-m", "mtx.cli", "--version"], capture_output=True, cwd=REPO, timeout=120)
