@@ -131,8 +131,9 @@ def command_line(*words: object) -> str:
 def _shell_word(word: str) -> str:
     """`word` quoted for a shell. One with bytes that are not UTF-8 (a path's, held as surrogate
     escapes) or with characters that cannot be shown on one line (a newline) is written in the
-    `$'...'` quoting of bash, zsh, ksh and POSIX.1-2024, its bytes as `\\xHH`: such a run directory
-    was named with `\\udcfc` in the "Resume with" command, which no shell reads back (stop 67)."""
+    `$'...'` quoting of bash, zsh, ksh and POSIX.1-2024 (not dash's), its bytes as three octal
+    digits, `\\374`, which no following character can extend: such a run directory was named with
+    `\\udcfc` in the "Resume with" command, which no shell reads back (stop 67)."""
     if word.isprintable():
         return shlex.quote(word)
     quoted = []
@@ -142,7 +143,11 @@ def _shell_word(word: str) -> str:
         elif char.isprintable():
             quoted.append(char)
         else:
-            quoted.extend(f"\\x{byte:02x}" for byte in os.fsencode(char))
+            try:
+                raw = os.fsencode(char)
+            except UnicodeEncodeError:  # a lone surrogate that no byte makes
+                raw = char.encode("utf-8", "surrogatepass")
+            quoted.extend(f"\\{byte:03o}" for byte in raw)
     return "$'" + "".join(quoted) + "'"
 
 

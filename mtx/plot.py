@@ -148,9 +148,10 @@ def _validation_data(run_dir: Path) -> _ValData | None:
 
 
 def train_loss_name(run_dir: Path) -> str:
-    """What a run's train loss is, from its config.yaml: the loss trained on, label smoothing's and
-    R-Drop's terms included (stop 68's probe: every run's was "label-smoothed", a run without
-    smoothing too, and R-Drop's KL term unsaid, so curves that do not compare looked as if they did)."""
+    """What a run's train loss is, from its config.yaml (its settings now: a resume may have
+    changed them): the loss trained on, label smoothing's and R-Drop's terms included (stop 68's
+    probe: every run's was "label-smoothed", a run without smoothing too, and R-Drop's term
+    unsaid, so curves that do not compare looked as if they did)."""
     from mtx.config import load_run_config
 
     try:
@@ -158,7 +159,7 @@ def train_loss_name(run_dir: Path) -> str:
     except MtxError:
         return "train loss"
     terms = [f"label smoothing {train.label_smoothing:g}"] if train.label_smoothing else []
-    terms += [f"+ R-Drop KL x {train.rdrop:g}"] if train.rdrop else []
+    terms += [f"with R-Drop's term, train.rdrop {train.rdrop:g}"] if train.rdrop else []
     return f"train loss ({', '.join(terms)})" if terms else "train loss"
 
 

@@ -1143,8 +1143,6 @@ class Trainer:
             if ckpt["scaler"]:  # empty when saved without fp16: a run resumed in fp16 starts a fresh scaler
                 self.scaler.load_state_dict(ckpt["scaler"])
             self.state = TrainState(**ckpt["state"])
-            if "validated_step" not in ckpt["state"]:  # saved before stop 54
-                self.state.validated_step = self._validated_before_54()
             if "patience_best_bleu" not in ckpt["state"]:  # saved before stop 62
                 self.state.patience_best_bleu = self.state.best_bleu
             if "epoch_ids" in ckpt and self.cfg.tokenizer.bpe_dropout:
@@ -1180,6 +1178,8 @@ class Trainer:
             raise CheckpointError(
                 f"{path}: cannot restore the training state ({e.__class__.__name__}: {str(e)[:100]})"
             ) from None
+        if "validated_step" not in ckpt["state"]:  # saved before stop 54 (a collective: outside the try above)
+            self.state.validated_step = self._validated_before_54()
         _check_below_max_steps(self.state.step, self.cfg, path)
         if not same_ranks and self.ranks.rank:
             torch.manual_seed(rank_seed(self.cfg.train.seed, self.ranks.rank, self.state.step))
@@ -1765,6 +1765,16 @@ class Trainer:
                 return self.fit(own)
         try:
             return self._fit(stop)
+        except DecodeOutOfMemory as e:
+            # validation's decoding (the last one's too) or train.diversify's (stop 68's probe:
+            # "lower --batch-tokens", which `mtx train` refuses, and nothing on what was kept)
+            saved = self.saved_step
+            kept = f"last.pt from step {saved} is kept" if saved is not None else "nothing was saved"
+            advice = memory_advice("lower decode.batch_tokens", self.device)
+            raise MtxError(
+                f"{e.where}, after step {self.state.step}; {advice}; {kept}. "
+                f"Resume with: {self._resume_command()} --set decode.batch_tokens=N"
+            ) from None
         except KeyboardInterrupt:
             if stop.signal is None:
                 raise
@@ -1940,15 +1950,7 @@ class Trainer:
                 at_eval = st.step % tc.eval_every == 0 or st.step == tc.max_steps
                 if at_eval:
                     st.window_seconds += time.perf_counter() - window_start  # saved with last.pt
-                    try:
-                        out_of_patience = self._evaluate(metrics)
-                    except DecodeOutOfMemory as e:  # (stop 68's probe: "lower --batch-tokens", which train refuses)
-                        raise MtxError(
-                            f"{e.where}, validating step {st.step}; "
-                            f"{memory_advice('lower decode.batch_tokens', self.device)}; last.pt from step "
-                            f"{self.saved_step} is kept. Resume with: {self._resume_command()} "
-                            "--set decode.batch_tokens=N"
-                        ) from None
+                    out_of_patience = self._evaluate(metrics)
                     now = time.perf_counter()
                     st.elapsed += now - last_time  # validating and saving are the loop's time (max_minutes)
                     window_start = now  # but not training throughput (tgt_tok_per_s)

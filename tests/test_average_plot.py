@@ -463,12 +463,13 @@ def test_plot_names_the_train_loss_each_run_trained_on(run_copy: Path, tmp_path:
     (rdrop / "config.yaml").write_text(text.replace("rdrop: 0.0", "rdrop: 5.0"))
     assert train_loss_name(run_copy) == "train loss (label smoothing 0.1)"
     assert train_loss_name(plain) == "train loss"
-    assert train_loss_name(rdrop) == "train loss (label smoothing 0.1, + R-Drop KL x 5)"
+    assert train_loss_name(rdrop) == "train loss (label smoothing 0.1, with R-Drop's term, train.rdrop 5)"
     assert train_loss_name(tmp_path / "none") == "train loss"
     out = tmp_path / "p.svg"
     assert main(["plot", "--run", str(plain), "--run", str(rdrop), "--out", str(out)]) == 0
     svg = out.read_text()  # (matplotlib writes each text as a comment beside its glyphs)
-    assert "plain: train loss -->" in svg and "rdrop: train loss (label smoothing 0.1, + R-Drop KL x 5)" in svg
+    assert "plain: train loss -->" in svg
+    assert "rdrop: train loss (label smoothing 0.1, with R-Drop's term, train.rdrop 5)" in svg
 
 
 def test_choose_on_val_scores_the_split_training_validated_on(

@@ -1372,11 +1372,14 @@ def test_main_leaves_the_calling_programs_logging_as_it_was(tiny_run: Path, tmp_
     try:
         root.setLevel(logging.DEBUG)
         threads = torch.get_num_threads()
+        stdout = (sys.stdout, sys.stdout.encoding, sys.stdout.errors)
+        assert stdout[2] != "surrogateescape"  # what `main` sets for itself
         other = 1 if threads > 1 else 2
         if other > usable_cpus():
             other = threads
         assert main(["translate", "--run", str(tiny_run), "--beam", "1", "--threads", str(other), "Ein Hund."]) == 0
         assert root.handlers == handlers and root.level == logging.DEBUG and torch.get_num_threads() == threads
+        assert (sys.stdout, sys.stdout.encoding, sys.stdout.errors) == stdout
         assert logging.getLogger("sacrebleu").level == logging.NOTSET
         logging.getLogger("app").info("after mtx")
     finally:

@@ -759,7 +759,7 @@ def test_a_second_training_on_a_run_directory_in_use_is_refused(
 # -- stop signals and kill -9 -------------------------------------------------------------------
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"])
 def test_stop_signal_saves_and_tells_how_to_resume(tmp_path: Path, mini_data: Path, sig: signal.Signals) -> None:
-    run_dir = tmp_path / os.fsdecode(b"run \xfc")  # an old Latin-1 archive's name: typed back as $'run \xfc'
+    run_dir = tmp_path / os.fsdecode(b"run \xfc")  # an old Latin-1 archive's name: typed back as $'run \374'
     args = mini_args(mini_data, run_dir, "--set", "train.max_steps=100000", "--set", "train.eval_every=1000")
     proc = start(tmp_path / "stderr", *args)
     wait_for(lambda: train_lines(run_dir) >= 3, proc)
@@ -782,10 +782,10 @@ def test_stop_signal_saves_and_tells_how_to_resume(tmp_path: Path, mini_data: Pa
 def test_a_command_to_copy_is_read_back_by_a_shell_as_the_same_words(tmp_path: Path) -> None:
     """A run directory whose name is not UTF-8 was named with `\\udcfc` in the "Resume with"
     command, which no shell reads back; one with a newline split the one-line message (stop 67)."""
-    words = [os.fsdecode(b"caf\xe9 \xfc"), "a\nb", "it's", "x\\y", "caf\u00e9 run", "$HOME", "tab\there", "\\\udcff'"]
+    words = [os.fsdecode(b"caf\xe9 \xfcab"), "a\nb", "it's", "x\\y", "caf\u00e9 run", "$HOME", "tab\there", "\\\udcff'"]
     line = command_line(*words)
     assert line.isprintable()  # one line, café as it is typed
-    assert command_line("caf\u00e9 run") == "'caf\u00e9 run'" and command_line("a\nb") == "$'a\\x0ab'"
+    assert command_line("caf\u00e9 run") == "'caf\u00e9 run'" and command_line("a\nb") == "$'a\\012b'"
     script = tmp_path / "echo.sh"
     script.write_text(f"printf '%s\\0' {line}\n", encoding="utf-8")
     out = subprocess.run(["bash", str(script)], capture_output=True, check=True).stdout
@@ -1216,8 +1216,12 @@ def test_out_of_memory_in_a_training_step_or_a_decode_is_one_line(
     validating = tmp_path / "validating"
     assert main(mini_args(mini_data, validating, *common, "--set", "train.max_steps=20")) == 1
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mtx: error:")]
-    assert len(lines) == 1 and "validating step 10; lower decode.batch_tokens; last.pt from step 0 is kept" in lines[0]
+    assert len(lines) == 1 and "after step 10; lower decode.batch_tokens; last.pt from step 0 is kept" in lines[0]
     assert lines[0].endswith("--resume --set decode.batch_tokens=N") and "--batch-tokens" not in lines[0]
+    ending = tmp_path / "ending"  # the validation of a run's last step, between two of every eval_every
+    assert main(mini_args(mini_data, ending, *common, "--set", "train.max_steps=5")) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mtx: error:")]
+    assert len(lines) == 1 and "after step 5; lower decode.batch_tokens" in lines[0], lines
 
 
 # -- nothing executed ----------------------------------------------------------------------------
