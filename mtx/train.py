@@ -857,6 +857,7 @@ class Trainer:
         self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
         self.setup_seconds = 0.0  # of epochs' setup since the fit loop last took it (`_micro_batches`)
         self.updating = False  # inside a step's optimizer update (`train_step`): the weights are half-new
+        self.scale_overflow = False  # the last step's update skipped by fp16's loss scaler (`train_step`)
         # the directory itself, wherever it is moved (rank 0 writes; another machine's ranks may not see it)
         self.run_dir_id = (os.stat(run_dir).st_dev, os.stat(run_dir).st_ino) if ranks.is_main else (-1, -1)
         if ranks.is_main:
@@ -1691,6 +1692,12 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_norm or float("inf"))
         finite = math.isfinite(total) and bool(torch.isfinite(grad_norm))
+        # fp16's loss scaler tries a larger scale every so often and skips the update that then
+        # overflows: its own working, not a fault (stop 68's probe: warned of as non-finite, and
+        # counted toward train.max_bad_steps), while the scale stays above fairseq's floor, 1e-4,
+        # below which the gradients themselves are not finite
+        scaled = self.scaler.is_enabled() and self.scaler.get_scale() >= 2e-4
+        self.scale_overflow = not finite and math.isfinite(total) and scaled
         for g in self.optimizer.param_groups:
             g["lr"] = learning_rate(self.state.step + 1, tc, self.cfg.model.d_model, self.state.elapsed)
         self.updating = True  # from here an allocation that fails leaves the weights half-updated
@@ -1922,6 +1929,11 @@ class Trainer:
                 last_time = now
                 if not applied:
                     st.skipped_steps += 1
+                    if self.scale_overflow:
+                        if self.ranks.is_main:
+                            scale = self.scaler.get_scale()
+                            log.info("fp16 loss scale lowered to %g after step %d: its update skipped", scale, st.step)
+                        continue
                     st.bad_steps_in_row += 1
                     if self.ranks.is_main:  # (stop 66: once per rank)
                         log.warning("non-finite loss or gradient after step %d: update skipped", st.step)

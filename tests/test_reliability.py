@@ -900,6 +900,24 @@ def test_a_best_pt_an_mtx_before_stop_66_left_ahead_of_last_pt_is_set_aside_on_r
     assert load_weights_only(ckpts / "ema.pt")["step"] == 20  # made again from last.pt
 
 
+def test_fp16_loss_scale_overflows_are_not_taken_for_non_finite_steps(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a GPU without native bf16, `train.amp: auto` trains in fp16 with a loss scaler, which
+    skips the update of a step whose scaled gradients overflow, and lowers its scale: each such
+    step was warned of as "non-finite loss or gradient" and counted toward train.max_bad_steps
+    (stop 68's probe, simulated). fp16 and its scaler on the CPU here, the scale started at 2^40."""
+    real = torch.amp.GradScaler
+    monkeypatch.setattr(train_module, "amp_dtype", lambda device, amp: torch.float16)
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda device, enabled: real(device, 2.0**40, enabled=enabled))
+    run = tmp_path / "run"
+    assert main(mini_args(mini_data, run, "--set", "train.max_steps=4", "--set", "train.eval_every=4")) == 0
+    err = capsys.readouterr().err
+    assert "non-finite" not in err and err.count("fp16 loss scale lowered to") > 10, err  # above max_bad_steps
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in records if r["event"] == "train"][-1] == err.count("fp16 loss scale lowered")
+
+
 def test_a_step_checkpoint_rotated_out_by_a_course_cut_short_is_not_called_a_save_cut_short(
     tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
