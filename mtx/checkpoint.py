@@ -108,13 +108,32 @@ def run_dir_lock(run_dir: Path, fix: str = "wait for it to end, or choose anothe
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             # (stop 63: "an mtx train" was said where another `average --as-best` held it)
+            holder = _lock_holder(fd)
+            which = f"process {holder}: " if holder is not None else ""
             raise CheckpointError(
-                f"{run_dir}: another mtx command is using this run directory (mtx train, average --as-best or "
-                f"choose_on_val --apply); {fix}"
+                f"{run_dir}: another mtx command is using this run directory ({which}mtx train, average --as-best "
+                f"or choose_on_val --apply); {fix}"
             ) from None
         yield
     finally:
         os.close(fd)
+
+
+def _lock_holder(fd: int) -> int | None:
+    """The process that holds the `flock` on `fd`'s file, from Linux's /proc/locks (None where it
+    cannot be told): a torchrun job killed with -9 leaves its ranks training on, and the refusal
+    named none of them (stop 68's probe)."""
+    st = os.fstat(fd)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+            for line in locks:
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == where and fields[4].isdigit():
+                    return int(fields[4]) or None  # (0: a process of another PID namespace)
+    except OSError:  # not Linux
+        pass
+    return None
 
 
 def _pid_alive(pid: int) -> bool:

@@ -717,10 +717,9 @@ def test_a_second_training_on_a_run_directory_in_use_is_refused(
         for argv in (mini_args(mini_data, run, "--set", "train.seed=2"), ["train", "--run-dir", str(run), "--resume"]):
             assert main(argv) == 1
             err = capsys.readouterr().err.strip().splitlines()
-            busy = (
-                f"{run}: another mtx command is using this run directory (mtx train, average --as-best or "
-                "choose_on_val --apply); "
-                "wait for it to end, or choose another --run-dir"
+            busy = (  # the process named (stop 68's probe: torchrun's ranks, left by its kill -9, were not)
+                f"{run}: another mtx command is using this run directory (process {first.pid}: mtx train, "
+                "average --as-best or choose_on_val --apply); wait for it to end, or choose another --run-dir"
             )
             assert err[-1] == "mtx: error: " + busy
         assert (run / "config.yaml").read_text() == config and first.poll() is None
@@ -733,9 +732,8 @@ def test_a_second_training_on_a_run_directory_in_use_is_refused(
             .err.strip()
             .splitlines()[-1]
             .endswith(
-                "another mtx command is using this run directory (mtx train, average --as-best or "
-                "choose_on_val --apply); "
-                "best.pt can be changed once it has ended"
+                f"another mtx command is using this run directory (process {first.pid}: mtx train, average "
+                "--as-best or choose_on_val --apply); best.pt can be changed once it has ended"
             )
         )
         # nor choose_on_val --apply, refused before it decodes (stop 65: after scoring every candidate)
@@ -744,8 +742,8 @@ def test_a_second_training_on_a_run_directory_in_use_is_refused(
         chosen = subprocess.run(apply, capture_output=True, text=True, check=False)
         assert chosen.returncode == 1 and chosen.stdout == "", chosen.stdout
         assert chosen.stderr.strip().splitlines() == [
-            f"choose_on_val: error: {run}: another mtx command is using this run directory (mtx train, average "
-            "--as-best or choose_on_val --apply); best.pt can be changed once it has ended"
+            f"choose_on_val: error: {run}: another mtx command is using this run directory (process {first.pid}: "
+            "mtx train, average --as-best or choose_on_val --apply); best.pt can be changed once it has ended"
         ]
     finally:
         first.send_signal(signal.SIGTERM)
@@ -2103,7 +2101,8 @@ def test_commands_to_copy_quote_their_paths(
         run_dir_lock(run),
         pytest.raises(
             MtxError,
-            match=r"using this run directory \(mtx train, average --as-best or choose_on_val --apply\); its first",
+            match=rf"using this run directory \(process {os.getpid()}: mtx train, average --as-best or choose_on_val "
+            r"--apply\); its first",
         ),
     ):
         load_run(run)
