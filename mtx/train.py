@@ -2611,7 +2611,8 @@ class RunLog(logging.FileHandler):
         runs `mtx.cli.main` log on their own loggers (stop 68's probe: a host's heartbeat thread
         wrote its lines into the run's train.log)."""
         name = record.name or ""  # (None in mtx's own `makeLogRecord`s)
-        ours = name == "mtx" or name.startswith("mtx.") or record.thread == self.thread
+        # (a thread of None: a program that turned logging.logThreads off)
+        ours = name == "mtx" or name.startswith("mtx.") or record.thread in (self.thread, None)
         return ours and bool(super().filter(record))
 
     def emit(self, record: logging.LogRecord) -> None:
