@@ -2037,6 +2037,14 @@ class Trainer:
         62: rank 0 printed gloo's 28-line traceback, and nothing on what was kept)."""
         if self.saved_step is None:  # (in step 0's save: nothing to resume)
             return MtxError(f"another process of this torchrun job ended ({_first_line(error)}); nothing was saved")
+        if not self.run_dir.exists():
+            # moved while training: rank 0 followed it, and this rank cannot tell where (stop 68's
+            # probe: the command named the old path, "run directory not found" when pasted)
+            return MtxError(
+                f"another process of this torchrun job ended ({_first_line(error)}); {self.run_dir} was moved "
+                f"while training, and the run is kept where it went, as last.pt saved it at step {self.saved_step}. "
+                f"Resume with that directory in: {self._resume_command()}"
+            )
         return MtxError(
             f"another process of this torchrun job ended ({_first_line(error)}); the run is kept as "
             f"last.pt saved it at step {self.saved_step}. Resume with: {self._resume_command()}"

@@ -392,6 +392,22 @@ def test_rank_0_failing_to_write_step_0_leaves_one_line_on_the_others(tmp_path: 
     assert error.startswith("another process of this torchrun job ended (") and error.endswith("); nothing was saved")
 
 
+def test_a_lost_peers_line_says_where_a_moved_run_directory_is_not(tmp_path: Path) -> None:
+    """Rank 0 alone follows a run directory moved while training: where it was then lost, rank 1's
+    "Resume with" named the old path as the run's (stop 68's probe: "run directory not found")."""
+    from types import SimpleNamespace
+
+    gone = tmp_path / "moved_away"
+    trainer = SimpleNamespace(saved_step=150, run_dir=gone, _resume_command=lambda: f"mtx train --run-dir {gone}")
+    line = str(Trainer._peer_lost_error(trainer, RuntimeError("[x.cc:1] Connection closed by peer [h]:1")))  # type: ignore[arg-type]
+    assert line.startswith("another process of this torchrun job ended (Connection closed by peer [h]:1); ")
+    assert (
+        f"{gone} was moved while training, and the run is kept where it went, as last.pt saved it at step 150" in line
+    )
+    trainer.run_dir = tmp_path
+    assert "was moved" not in str(Trainer._peer_lost_error(trainer, RuntimeError("Connection closed by peer")))  # type: ignore[arg-type]
+
+
 def torchrun(*args: str) -> subprocess.CompletedProcess[bytes]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
