@@ -742,6 +742,53 @@ class StopRequest:
             signal.signal(sig, old)
 
 
+class PauseClock:
+    """Training's clock: `time.perf_counter()` less the time the process was stopped (Ctrl-Z,
+    `kill -STOP`), which train.max_minutes, elapsed_s and tokens/s do not count (stop 68's probe:
+    a run stopped for 40 s of a 30 s budget trained 167 steps where 553 were its due, its linear
+    rate ended at 73% of the peak, and the window with the stop logged 31 tgt tok/s). While it
+    runs, a thread wakes every `TICK` s: a wake more than `GAP` s late means that the whole process
+    was stopped (a stop shorter than that counts; a suspended machine's time perf_counter already
+    leaves out). `GAP` is long beside what a call that holds the GIL keeps the thread waiting."""
+
+    TICK, GAP = 0.05, 5.0
+
+    def __init__(self) -> None:
+        self.paused = 0.0
+        self.last = time.perf_counter()  # the thread's last wake
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PauseClock:
+        self.last = time.perf_counter()
+        self._done.clear()
+        self._thread = threading.Thread(target=self._watch, name="mtx-pause-clock", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.TICK):
+            with self._lock:
+                now = time.perf_counter()
+                if now - self.last > self.GAP:
+                    self.paused += now - self.last - self.TICK
+                self.last = now
+
+    def now(self) -> float:
+        """Seconds of a clock that stood still while the process was stopped (a stop the thread has
+        not woken from yet counted too)."""
+        with self._lock:
+            now = time.perf_counter()
+            late = now - self.last if self._thread is not None and not self._done.is_set() else 0.0
+            return now - self.paused - (late - self.TICK if late > self.GAP else 0.0)
+
+
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
@@ -858,6 +905,7 @@ class Trainer:
         self.setup_seconds = 0.0  # of epochs' setup since the fit loop last took it (`_micro_batches`)
         self.updating = False  # inside a step's optimizer update (`train_step`): the weights are half-new
         self.scale_overflow = False  # the last step's update skipped by fp16's loss scaler (`train_step`)
+        self.clock = PauseClock()  # the training loop's time (`fit` runs it)
         # the directory itself, wherever it is moved (rank 0 writes; another machine's ranks may not see it)
         self.run_dir_id = (os.stat(run_dir).st_dev, os.stat(run_dir).st_ino) if ranks.is_main else (-1, -1)
         if ranks.is_main:
@@ -1410,7 +1458,7 @@ class Trainer:
         while True:
             if tc.max_epochs and self.state.epoch >= tc.max_epochs:
                 return
-            started = time.perf_counter()
+            started = self.clock.now()
             if self.state.batch == 0:
                 self._plan_phases()
                 self._plan_diversify()
@@ -1429,7 +1477,7 @@ class Trainer:
             # the epoch's setup (train.diversify's translations, a BPE-dropout segmentation): the
             # loop's time, but not training throughput (stop 63: a window with it logged 1,871
             # tgt tok/s between windows of 9,500)
-            self.setup_seconds += time.perf_counter() - started
+            self.setup_seconds += self.clock.now() - started
             seen, whole_epoch = 0, self.state.batch == 0
             for batch in batches:
                 group.append(batch)
@@ -1771,7 +1819,8 @@ class Trainer:
             with StopRequest() as own:
                 return self.fit(own)
         try:
-            return self._fit(stop)
+            with self.clock:
+                return self._fit(stop)
         except DecodeOutOfMemory as e:
             # validation's decoding (the last one's too) or train.diversify's (stop 68's probe:
             # "lower --batch-tokens", which `mtx train` refuses, and nothing on what was kept)
@@ -1890,9 +1939,9 @@ class Trainer:
             disable=None if main and not zero_width_terminal(sys.stderr) else True,
             file=UntilReaderGone(sys.stderr),
         )
-        window_start = time.perf_counter()  # of this session's part of the log window (st.window_*)
+        window_start = self.clock.now()  # of this session's part of the log window (st.window_*)
         self._logged_step = -1  # of this session's last train record (`_log_window`)
-        last_time = time.perf_counter()
+        last_time = self.clock.now()
         stop_reason = f"reached train.max_steps={tc.max_steps}" if limit is None else f"reached {limit}"
         before: tuple[int, int, dict[str, Any]] | None = None
         try:
@@ -1903,7 +1952,7 @@ class Trainer:
             while st.step < tc.max_steps and limit is None:
                 signum = self._stop_signal(stop)
                 if signum is not None:
-                    st.window_seconds += time.perf_counter() - window_start
+                    st.window_seconds += self.clock.now() - window_start
                     self.save()
                     again = self._resume_command()
                     raise Interrupted(
@@ -1924,7 +1973,7 @@ class Trainer:
                 before = (st.epoch, st.batch - len(group), _rng_state()) if inside else None
                 loss, tokens, applied = self.train_step(group)
                 before = None
-                now = time.perf_counter()
+                now = self.clock.now()
                 st.elapsed += now - last_time
                 last_time = now
                 if not applied:
@@ -1956,14 +2005,14 @@ class Trainer:
                     bar.total = self.end_step
                 bar.update(1)
                 if st.step % tc.log_every == 0 or st.step == tc.max_steps:
-                    seconds = st.window_seconds + time.perf_counter() - window_start
+                    seconds = st.window_seconds + self.clock.now() - window_start
                     if self._log_window(seconds, bar, metrics, partial=st.step % tc.log_every != 0):
-                        window_start = time.perf_counter()
+                        window_start = self.clock.now()
                 at_eval = st.step % tc.eval_every == 0 or st.step == tc.max_steps
                 if at_eval:
-                    st.window_seconds += time.perf_counter() - window_start  # saved with last.pt
+                    st.window_seconds += self.clock.now() - window_start  # saved with last.pt
                     out_of_patience = self._evaluate(metrics)
-                    now = time.perf_counter()
+                    now = self.clock.now()
                     st.elapsed += now - last_time  # validating and saving are the loop's time (max_minutes)
                     window_start = now  # but not training throughput (tgt_tok_per_s)
                     last_time = now
@@ -1973,19 +2022,19 @@ class Trainer:
                 if self._out_of_time():
                     stop_reason = f"used the time budget train.max_minutes={tc.max_minutes:g}"
                     break
-            st.window_seconds += time.perf_counter() - window_start  # a later resume's first window
+            st.window_seconds += self.clock.now() - window_start  # a later resume's first window
             if st.window_steps and self._logged_step != st.step:  # a stop between train records logs its last steps
                 self._log_window(st.window_seconds, bar, metrics, partial=True)
             if st.validated_step != st.step:  # stopped between validations
                 self._evaluate(metrics)
-                st.elapsed += time.perf_counter() - last_time
+                st.elapsed += self.clock.now() - last_time
         except RuntimeError as e:
             if out_of_memory(e):
                 # (stop 63: a batch too large for the device was a 30-line traceback, with no word
                 # on what to lower; one can come thousands of steps in, as batches differ in length)
                 after, saved = "", False
                 if before is not None and not self.updating:
-                    st.window_seconds += time.perf_counter() - window_start
+                    st.window_seconds += self.clock.now() - window_start
                     e.__traceback__ = None  # the failed step's tensors go before last.pt is written
                     saved = self._save_before_step(*before)
                     if self.saved_step == st.step:  # inside epoch st.epoch: a new plan skips its rest
