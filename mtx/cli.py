@@ -885,6 +885,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         PAIRED_SAMPLES,
         corpus_scores,
         paired_tests,
+        resampling_seed_problem,
     )
 
     if (args.src is None) != (args.ref is None):
@@ -956,6 +957,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             data.valid_split,
         )
     samples = args.bootstrap or (PAIRED_SAMPLES if args.paired else 0)
+    if samples and (problem := resampling_seed_problem()):  # before decoding (stop 68's probe: after it)
+        raise MtxError(problem)
     if samples * len(src) > MAX_RESAMPLED:  # before decoding; sacreBLEU would run out of memory after it
         most = MAX_RESAMPLED // len(src)
         # (stop 68's probe: past 250,000 sentences it advised a count below the least one allowed)

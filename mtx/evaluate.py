@@ -11,6 +11,7 @@ sentences: how often the observed difference would arise by chance.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,26 @@ class PairedResult:
 
     def as_dict(self) -> dict[str, float | str]:
         return {k: v if isinstance(v, str) else round(v, 4 if k.endswith("_p") else 2) for k, v in vars(self).items()}
+
+
+def resampling_seed_problem() -> str | None:
+    """What is wrong with `$SACREBLEU_SEED`, which sacreBLEU's resampling reads (mtx passes none), or
+    None: a value that is not a whole number ended `eval --bootstrap` in a traceback after decoding,
+    and 0, which sacreBLEU's paired test takes for no seed while its signature says seed:0, made
+    p-values that changed from run to run (stop 68's probe). `none` is sacreBLEU's own unseeded
+    choice, and its signatures say so."""
+    seed = os.environ.get("SACREBLEU_SEED")
+    if seed is None or seed.lower() == "none":  # (as sacreBLEU reads it)
+        return None
+    try:
+        value = int(seed)
+    except ValueError:
+        return (
+            f"SACREBLEU_SEED={seed!r}: sacreBLEU's resampling seed must be a whole number, or none; unset it for 12345"
+        )
+    if value == 0:
+        return "SACREBLEU_SEED=0: sacreBLEU's paired test reads 0 as no seed; set another number, or unset it for 12345"
+    return None
 
 
 def paired_tests(

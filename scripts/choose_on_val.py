@@ -58,7 +58,7 @@ from mtx.data import (  # noqa: E402
     warn_unless_nfc,
 )
 from mtx.errors import MtxError, command_line, environment_mtx, run_script  # noqa: E402
-from mtx.evaluate import PAIRED_SAMPLES, corpus_scores, paired_tests  # noqa: E402
+from mtx.evaluate import PAIRED_SAMPLES, corpus_scores, paired_tests, resampling_seed_problem  # noqa: E402
 from mtx.model import Ensemble, Seq2Seq  # noqa: E402
 from mtx.search import translate  # noqa: E402
 from mtx.train import pick_device  # noqa: E402
@@ -161,6 +161,8 @@ def main() -> None:
 
 
 def choose(args: argparse.Namespace) -> None:
+    if problem := resampling_seed_problem():  # its paired test (stop 68's probe: p changed between runs)
+        raise MtxError(problem)
     ckpts = checkpoint_dir(args.run)
     if args.apply and args.run.is_dir():  # refused now rather than after minutes of decoding (load_run
         check_best_changeable(args.run)  # says where the run directory is none)

@@ -201,3 +201,24 @@ def test_references_are_scored_as_sacrebleu_reads_them(
     clean = json.loads(out)
     assert clean["bleu"] > scored["bleu"] and "reference lines begin or end" not in err
     assert f"--paired {tmp_path / 'other.en'}: 40 of 40 output lines begin or end with invisible" in err
+
+
+def test_a_resampling_seed_that_sacrebleu_misreads_is_refused_before_decoding(
+    tiny_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sacreBLEU reads $SACREBLEU_SEED: `abc` ended `eval --bootstrap` in a traceback after
+    decoding, and 0 left its paired test unseeded (p changed from run to run) while the signature
+    said seed:0 (stop 68's probe)."""
+    from mtx.evaluate import resampling_seed_problem
+
+    args = ["eval", "--run", str(tiny_run), "--split", "val", "--beam", "1", "--bootstrap", "100"]
+    for seed, said in (("abc", "SACREBLEU_SEED='abc': sacreBLEU's resampling seed"), ("0", "reads 0 as no seed")):
+        monkeypatch.setenv("SACREBLEU_SEED", seed)
+        assert main(args) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err and "decoding" not in err, err
+    for fine in ("none", "None", "7"):
+        monkeypatch.setenv("SACREBLEU_SEED", fine)
+        assert resampling_seed_problem() is None
+    monkeypatch.delenv("SACREBLEU_SEED")
+    assert resampling_seed_problem() is None

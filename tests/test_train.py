@@ -958,3 +958,12 @@ def test_the_training_clock_leaves_out_a_stopped_process(tmp_path: Path) -> None
         proc.kill()
         proc.wait()
     assert 2.3 < counted < 4.0, counted  # 9 s of wall time, 6 of them stopped
+
+
+def test_timing_bf16_draws_nothing_from_torchs_generator() -> None:
+    """`train.amp: bf16` timed bf16 products after a resume had restored last.pt's random state, and
+    the timing's random inputs moved every later dropout mask off a straight run's (stop 68's
+    probe: step 60's loss 5.369212 against 5.368715). (A CPU without native bf16 times nothing.)"""
+    state = torch.get_rng_state()
+    train_module.cpu_bf16_speedup.__wrapped__()
+    assert torch.equal(torch.get_rng_state(), state)
