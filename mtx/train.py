@@ -31,6 +31,7 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext, suppress
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
+from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -755,19 +756,21 @@ class PauseClock:
     rate ended at 73% of the peak, and the window with the stop logged 31 tgt tok/s). While it
     runs, a thread wakes every `TICK` s: a wake more than `GAP` s late means that the whole process
     was stopped (a stop shorter than that counts; a suspended machine's time perf_counter already
-    leaves out). `GAP` is long beside what a call that holds the GIL keeps the thread waiting."""
+    leaves out). `GAP` is long beside what a call that holds the GIL keeps the thread waiting. Its
+    stops are timed on `time.monotonic` (the clock of `perf_counter` on Linux), read once at
+    import, which a test's stand-in for `perf_counter` leaves as it is."""
 
     TICK, GAP = 0.05, 5.0
 
     def __init__(self) -> None:
         self.paused = 0.0
-        self.last = time.perf_counter()  # the thread's last wake
+        self.last = _monotonic()  # the thread's last wake
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> PauseClock:
-        self.last = time.perf_counter()
+        self.last = _monotonic()
         self._done.clear()
         self._thread = threading.Thread(target=self._watch, name="mtx-pause-clock", daemon=True)
         self._thread.start()
@@ -781,7 +784,7 @@ class PauseClock:
     def _watch(self) -> None:
         while not self._done.wait(self.TICK):
             with self._lock:
-                now = time.perf_counter()
+                now = _monotonic()
                 if now - self.last > self.GAP:
                     self.paused += now - self.last - self.TICK
                 self.last = now
@@ -790,9 +793,8 @@ class PauseClock:
         """Seconds of a clock that stood still while the process was stopped (a stop the thread has
         not woken from yet counted too)."""
         with self._lock:
-            now = time.perf_counter()
-            late = now - self.last if self._thread is not None and not self._done.is_set() else 0.0
-            return now - self.paused - (late - self.TICK if late > self.GAP else 0.0)
+            late = _monotonic() - self.last if self._thread is not None and not self._done.is_set() else 0.0
+            return time.perf_counter() - self.paused - (late - self.TICK if late > self.GAP else 0.0)
 
 
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
