@@ -791,7 +791,7 @@ class PauseClock:
 
     def now(self) -> float:
         """Seconds of a clock that stood still while the process was stopped (a stop the thread has
-        not woken from yet counted too)."""
+        not woken from yet left out too)."""
         with self._lock:
             late = _monotonic() - self.last if self._thread is not None and not self._done.is_set() else 0.0
             return time.perf_counter() - self.paused - (late - self.TICK if late > self.GAP else 0.0)
