@@ -162,6 +162,8 @@ def resampling_seed_problem() -> str | None:
         )
     if value == 0:
         return "SACREBLEU_SEED=0: sacreBLEU's paired test reads 0 as no seed; set another number, or unset it for 12345"
+    if value < 0:  # (numpy's generator: "expected non-negative integer", a traceback after decoding)
+        return f"SACREBLEU_SEED={seed!r}: sacreBLEU's resampling seed must not be negative; unset it for 12345"
     return None
 
 

@@ -212,7 +212,11 @@ def test_a_resampling_seed_that_sacrebleu_misreads_is_refused_before_decoding(
     from mtx.evaluate import resampling_seed_problem
 
     args = ["eval", "--run", str(tiny_run), "--split", "val", "--beam", "1", "--bootstrap", "100"]
-    for seed, said in (("abc", "SACREBLEU_SEED='abc': sacreBLEU's resampling seed"), ("0", "reads 0 as no seed")):
+    for seed, said in (
+        ("abc", "SACREBLEU_SEED='abc': sacreBLEU's resampling seed"),
+        ("0", "reads 0 as no seed"),
+        ("-5", "SACREBLEU_SEED='-5': sacreBLEU's resampling seed must not be negative"),
+    ):
         monkeypatch.setenv("SACREBLEU_SEED", seed)
         assert main(args) == 1
         err = capsys.readouterr().err
