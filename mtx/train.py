@@ -1049,6 +1049,8 @@ class Trainer:
 
     def _object_from_main(self, value: Any) -> Any:
         """Rank 0's `value` (any picklable object) on every rank."""
+        if self.ranks.world_size == 1:
+            return value
         box = [value if self.ranks.is_main else None]
         dist.broadcast_object_list(box, src=0, device=self.device)
         return box[0]
@@ -1072,11 +1074,9 @@ class Trainer:
 
     def _ids_from_main(self, make: Callable[[], ParallelIds]) -> ParallelIds:
         """`make()` run on rank 0 only, its result sent to the other ranks."""
-        box = [make() if self.ranks.is_main else None]
-        if self.ranks.world_size > 1:
-            dist.broadcast_object_list(box, src=0, device=self.device)
-        assert box[0] is not None
-        return box[0]
+        ids = self._object_from_main(make() if self.ranks.is_main else None)
+        assert ids is not None
+        return ids
 
     def _stop_signal(self, stop: StopRequest) -> int | None:
         """The stop signal any rank received, agreed by all so that they stop at the same step."""
@@ -1236,7 +1236,9 @@ class Trainer:
                 f"{path}: cannot restore the training state ({e.__class__.__name__}: {str(e)[:100]})"
             ) from None
         if "validated_step" not in ckpt["state"]:  # saved before stop 54 (a collective: outside the try above)
-            self.state.validated_step = self._validated_before_54()
+            # rank 0 reads metrics.jsonl for every rank (stop 68's probe: under torchrun its step was taken)
+            validated = self._validated_before_54() if self.ranks.is_main else None
+            self.state.validated_step = self._object_from_main(validated)
         _check_below_max_steps(self.state.step, self.cfg, path)
         if not same_ranks and self.ranks.rank:
             torch.manual_seed(rank_seed(self.cfg.train.seed, self.ranks.rank, self.state.step))
@@ -1304,27 +1306,16 @@ class Trainer:
         the last "valid" record of metrics.jsonl up to last.pt's step. Such an mtx saved last.pt
         at any step when a signal stopped it (stop 67: that step was taken as validated, a save
         "cut short" was reported and an unvalidated step_N.pt made). Without a readable
-        metrics.jsonl, last.pt's step, as before. Under DDP rank 0 reads it for every rank (stop 68's
-        probe: under torchrun the step was still taken as validated)."""
+        metrics.jsonl, last.pt's step, as before. Rank 0's under DDP (`_restore` sends it)."""
         step = self.state.step
-        if not self.ranks.is_main:
-            return self._steps_from_main([0])[0]
         try:
             events = read_metrics(self.run_dir)
         except (MtxError, OSError):
-            return self._steps_from_main([step])[0]
+            return step
         valid = [
             e["step"] for e in events if e.get("event") == "valid" and type(e.get("step")) is int and e["step"] <= step
         ]
-        return self._steps_from_main([max(valid, default=-1)])[0]
-
-    def _steps_from_main(self, steps: list[int]) -> list[int]:
-        """Rank 0's whole numbers `steps` on every rank."""
-        if self.ranks.world_size == 1:
-            return steps
-        t = torch.tensor(steps, dtype=torch.int64, device=self.device)
-        dist.broadcast(t, src=0)
-        return [int(v) for v in t.tolist()]
+        return max(valid, default=-1)
 
     def _trim_metrics(self) -> None:
         """Drop metrics logged after the restored step (they will be logged again), partial train
