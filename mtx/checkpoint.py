@@ -29,14 +29,16 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
-
-import torch
+from typing import IO, TYPE_CHECKING, Any
 
 from mtx.config import CONFIG_FILE, Config, ModelConfig, load_run_config
 from mtx.errors import CheckpointError, command_line, not_found, own_command, process_limit, shown
-from mtx.model import Ensemble, Seq2Seq
 from mtx.tokenizer import BPE, load_run_tokenizers
+
+if TYPE_CHECKING:  # torch where checkpoints are read or written: `plot` uses the file helpers (stop 69)
+    import torch
+
+    from mtx.model import Ensemble, Seq2Seq
 
 try:
     import fcntl  # writers' locks on their temporary files (not on Windows: the process id decides)
@@ -350,6 +352,8 @@ def _write_failure(error: RuntimeError, tmp: Path) -> str:
 
 def atomic_save(obj: dict[str, Any], path: Path) -> None:
     """torch.save to `path` so that readers only ever see a complete file (old or new)."""
+    import torch
+
     _atomic_write(path, lambda f: torch.save(obj, f))
 
 
@@ -390,6 +394,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
     The file must be a complete torch.save zip archive whose members pass their CRC check,
     so truncated or bit-flipped files are errors rather than silently wrong weights."""
+    import torch
+
     if path.is_dir():
         raise CheckpointError(f"{path}: a directory, not a checkpoint file; give RUN/checkpoints/NAME.pt")
     if path.exists() and not path.is_file():  # (stop 62: a FIFO or /dev/null was "not found")
@@ -530,6 +536,8 @@ class LoadedRun:
 
 def build_model(cfg: Config, src_tok: BPE, tgt_tok: BPE, output_ids: torch.Tensor | None = None) -> Seq2Seq:
     """The run's model; `output_ids` (`model.restrict_output`) come from training or a checkpoint."""
+    from mtx.model import Seq2Seq
+
     return Seq2Seq(
         cfg.model, src_tok.vocab_size, tgt_tok.vocab_size, joint_vocab=cfg.tokenizer.joint, output_ids=output_ids
     )
@@ -573,6 +581,8 @@ def default_checkpoint(run_dir: Path) -> Path | None:
 def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.device | None = None) -> LoadedRun:
     """Model and tokenizers of a run, from `checkpoints` or best.pt (else last.pt); two or more
     checkpoints (of this run's vocabulary) decode as one `Ensemble`."""
+    from mtx.model import Ensemble
+
     cfg = load_run_config(run_dir)
     src_tok, tgt_tok = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
     defaulted = not checkpoints
@@ -647,6 +657,8 @@ def average_checkpoints(
 
     Averaging the last few checkpoints of a run smooths the noise of the final updates and
     usually adds a little BLEU (Vaswani et al. averaged the last 5 or 20)."""
+    import torch
+
     if not paths:
         raise CheckpointError("no checkpoints to average")
     first = last = load_checkpoint(paths[0])
@@ -834,6 +846,8 @@ def _average_in_best(ckpts: Path) -> bool:
 
 def _top_level(path: Path) -> dict[str, Any] | None:
     """A checkpoint's top level, its tensors mapped rather than read; None where it cannot be read."""
+    import torch
+
     try:
         top = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 (truncated, bit-flipped or unreadable: no answer, not a stop)

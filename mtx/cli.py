@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from mtx import __version__
-from mtx.config import AT_MOST, MAX_LENGTH_PENALTY, QUANTIZATIONS, STOPS, name_problem
+from mtx.config import AT_MOST, MAX_LENGTH_PENALTY, QUANTIZATIONS, STOPS, expand_user, name_problem
 from mtx.errors import (
     STOP_SIGNALS,
+    ConfigError,
     MtxError,
     Terminated,
     command_line,
@@ -250,11 +251,9 @@ def path_arg(text: str) -> Path:
     if not text:  # (stop 62: Path("") is ".": --data-dir "" scored the working directory's files)
         raise argparse.ArgumentTypeError("a path must not be empty")
     try:
-        return Path(text).expanduser()
-    except RuntimeError:  # no such user
-        raise argparse.ArgumentTypeError(
-            f"cannot expand {text.split('/', 1)[0]} in {text!r} (no such user); give the path in full"
-        ) from None
+        return expand_user(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def file_path(text: str) -> Path:

@@ -502,16 +502,26 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     }
 
 
-def user_path(text: str, key: str) -> Path:
-    """`text` as a path, with a leading ~ or ~user expanded; a user that does not exist is an error
-    naming `key` (stop 56: `data.dir=~nouser/x` was a traceback from `Path.expanduser`)."""
+def expand_user(text: str) -> Path:
+    """`text` as a path, with a leading ~ or ~user expanded; a ConfigError (without a key) says why
+    one cannot be: `user_path` and the command line's path options share it (stop 69's probe: the
+    options still said "no such user" for stop 67's case)."""
     try:
         return Path(text).expanduser()
     except RuntimeError:
         user = text.split("/", 1)[0]
         # (stop 67: `~` with $HOME unset and a user id without a passwd entry said "no such user")
         why = "no such user" if user != "~" else "$HOME is unset and this user has no home directory"
-        raise ConfigError(f"{key}: cannot expand {user} in {text!r} ({why}); give the path in full") from None
+        raise ConfigError(f"cannot expand {user} in {text!r} ({why}); give the path in full") from None
+
+
+def user_path(text: str, key: str) -> Path:
+    """`text` as a path, with a leading ~ or ~user expanded; a user that does not exist is an error
+    naming `key` (stop 56: `data.dir=~nouser/x` was a traceback from `Path.expanduser`)."""
+    try:
+        return expand_user(text)
+    except ConfigError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def name_problem(name: str) -> str | None:

@@ -20,15 +20,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
-import torch
 
 from mtx.checkpoint import fsync_dir
 from mtx.config import DataConfig, user_path
 from mtx.errors import DataError, not_found
 from mtx.tokenizer import BOS, BPE, EOS, PAD
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch where tensors are made: `compare` and `plot` read text with this module (stop 69)
     import datasets
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -636,14 +636,11 @@ class Batch:
             self.n_tgt_tokens,
         )
 
-    @property
-    def padding_fraction(self) -> float:
-        total = self.src.numel() + self.tgt_out.numel()
-        return 1.0 - (self.n_src_tokens + self.n_tgt_tokens) / total
-
 
 def pad_ids(seqs: Sequence[Sequence[int]], prefix: int | None = None, suffix: int | None = None) -> torch.Tensor:
     """Right-pad id lists into a (B, L) LongTensor, optionally adding a first/last token."""
+    import torch
+
     extra = (prefix is not None) + (suffix is not None)
     width = max(len(s) for s in seqs) + extra
     out = np.full((len(seqs), width), PAD, dtype=np.int64)
@@ -716,10 +713,14 @@ class ParallelIds:
 
     def target_vocabulary(self) -> torch.Tensor:
         """Sorted ids of the target pieces that occur (`model.restrict_output`)."""
+        import torch
+
         return torch.tensor(sorted({i for s in self.tgt_ids for i in s}), dtype=torch.long)
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """Flat int32 ids and per-sentence lengths of both sides (for a checkpoint)."""
+        import torch
+
         out = {}
         for side, ids in (("src", self.src_ids), ("tgt", self.tgt_ids)):
             out[side] = torch.tensor([i for s in ids for i in s], dtype=torch.int32)
@@ -787,6 +788,11 @@ def padding_fraction(data: ParallelIds, batches: Sequence[np.ndarray]) -> float:
     return 1.0 - real / max(padded, 1)
 
 
+def epoch_plan(data: ParallelIds, batch_tokens: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """One training epoch's batch plan (all ranks'), shuffled by (seed, epoch)."""
+    return plan_batches(data.src_lens, data.tgt_lens, batch_tokens, seed=seed * 100003 + epoch)
+
+
 def epoch_batches(
     data: ParallelIds,
     batch_tokens: int,
@@ -795,21 +801,23 @@ def epoch_batches(
     start: int = 0,
     rank: int = 0,
     world_size: int = 1,
+    plan: list[np.ndarray] | None = None,
 ) -> Iterator[Batch]:
-    """The batches of one training epoch from batch index `start`, shuffled by (seed, epoch).
+    """The batches of one training epoch from batch index `start`, shuffled by (seed, epoch);
+    `plan`, where given, is that epoch's `epoch_plan` (made once by a caller that also counts it).
 
     With several ranks, each takes a disjoint, equally long share of the epoch's batches, dealt
     round-robin (the last `len(plan) % world_size` batches are dropped): after `start` batches on
     every rank exactly the first `start * world_size` batches of the plan have been used, so a
     run can resume on another number of ranks.
     """
-    plan = plan_batches(data.src_lens, data.tgt_lens, batch_tokens, seed=seed * 100003 + epoch)
+    if plan is None:
+        plan = epoch_plan(data, batch_tokens, seed, epoch)
     per_rank = len(plan) // world_size
-    plan = plan[rank : per_rank * world_size : world_size]
-    for indices in plan[start:]:
+    for indices in plan[rank : per_rank * world_size : world_size][start:]:
         yield data.batch(indices)
 
 
 def epoch_length(data: ParallelIds, batch_tokens: int, seed: int, epoch: int, world_size: int = 1) -> int:
-    plan = plan_batches(data.src_lens, data.tgt_lens, batch_tokens, seed=seed * 100003 + epoch)
-    return len(plan) // world_size
+    """The number of batches each of `world_size` ranks takes from one epoch."""
+    return len(epoch_plan(data, batch_tokens, seed, epoch)) // world_size

@@ -47,6 +47,7 @@ from mtx.data import (
     ParallelIds,
     epoch_batches,
     epoch_length,
+    epoch_plan,
     extra_source_texts,
     is_test_split,
     load_corpus,
@@ -1462,6 +1463,7 @@ class Trainer:
                 self._plan_phases()
                 self._plan_diversify()
             ids = self._epoch_ids(self.state.epoch)
+            plan = epoch_plan(ids, tc.batch_tokens, tc.seed, self.state.epoch)
             batches = epoch_batches(
                 ids,
                 tc.batch_tokens,
@@ -1470,9 +1472,10 @@ class Trainer:
                 self.state.batch,
                 self.ranks.rank,
                 self.ranks.world_size,
+                plan=plan,
             )
             if tc.max_epochs:
-                self.end_step = self._epochs_end(epoch_length(ids, tc.batch_tokens, tc.seed, self.state.epoch))
+                self.end_step = self._epochs_end(len(plan))
             # the epoch's setup (train.diversify's translations, a BPE-dropout segmentation): the
             # loop's time, but not training throughput (stop 63: a window with it logged 1,871
             # tgt tok/s between windows of 9,500)
@@ -2844,9 +2847,11 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> tuple[TrainState, P
                 # DDP's reducer holds the process group: free it (and any reference cycle through
                 # it) here, so the group's threads end inside destroy_process_group below and not at
                 # interpreter exit, where a rank could abort ("terminate called without an active
-                # exception") after training had finished
+                # exception") after training had finished; one process has no group (stop 69's
+                # probe: 0.4 s after "done:")
                 del trainer
-                gc.collect()
+                if ranks.world_size > 1:
+                    gc.collect()
         except KeyboardInterrupt:
             if stop.signal is None or not setting_up:  # (a second signal while training stops at once)
                 raise

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 import bz2
 import gzip
 import io
@@ -538,6 +539,11 @@ def test_no_home_directory_is_one_line_naming_what_to_set(monkeypatch: pytest.Mo
         user_path("~/x", "--run-dir")
     with pytest.raises(ConfigError, match=r"cannot expand ~nobody9 in '~nobody9/x' \(no such user\)"):
         user_path("~nobody9/x", "--run-dir")
+    # the command line's path options say the same (stop 69's probe: `--run ~/x` said "no such user")
+    from mtx.cli import path_arg
+
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^cannot expand ~ in '~/x' \(\$HOME is unset and this"):
+        path_arg("~/x")
     monkeypatch.setenv("XDG_CACHE_HOME", "/cache")
     assert multi30k_cache() == Path("/cache/mtx/multi30k")
 
