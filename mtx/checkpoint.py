@@ -578,6 +578,20 @@ def default_checkpoint(run_dir: Path) -> Path | None:
     return next((p for p in (ckpts / "best.pt", ckpts / "last.pt") if p.exists() or p.is_symlink()), None)
 
 
+def no_checkpoint(run_dir: Path) -> str:
+    """Why a run has no best.pt or last.pt to load, and what to do: train it, or where it trained
+    (a metrics.jsonl: its checkpoints were deleted, or left out of a copy), train it again in a new
+    directory, since training refuses to start over a run that trained (stop 69's probe: "no
+    checkpoints yet; train it first" gave a command that this refusal answered)."""
+    if (run_dir / "metrics.jsonl").exists():
+        return (
+            f"{run_dir}: its checkpoints/ holds no best.pt or last.pt, though the run trained (its metrics.jsonl "
+            "says so): put them back, or train again in a new --run-dir"
+        )
+    start = command_line(*own_command(), "train", "--config", run_dir / CONFIG_FILE, "--run-dir", run_dir)
+    return f"{run_dir}: no checkpoints yet; train it first: {start}"
+
+
 def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.device | None = None) -> LoadedRun:
     """Model and tokenizers of a run, from `checkpoints` or best.pt (else last.pt); two or more
     checkpoints (of this run's vocabulary) decode as one `Ensemble`."""
@@ -592,8 +606,7 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
             # (stop 62: "train it first" while a training was setting it up, which refused that command)
             with run_dir_lock(run_dir, "its first checkpoint is saved once it has set up; try again then"):
                 pass
-            start = command_line(*own_command(), "train", "--config", run_dir / CONFIG_FILE, "--run-dir", run_dir)
-            raise CheckpointError(f"{run_dir}: no checkpoints yet; train it first: {start}")
+            raise CheckpointError(no_checkpoint(run_dir))
         checkpoints = [default]
     members = []
     check = member_check(cfg, src_tok, tgt_tok)
@@ -690,6 +703,15 @@ def average_checkpoints(
     }
 
 
+def _validated(run_dir: Path) -> bool:
+    """Whether the run's metrics.jsonl records a validation (one that cannot be read: no)."""
+    try:
+        with open(run_dir / "metrics.jsonl", encoding="utf-8", errors="replace") as f:
+            return any('"event": "valid"' in line for line in f)
+    except OSError:
+        return False
+
+
 def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tuple[Path, list[Path]]:
     """Average the run's `last` newest step checkpoints into `out` (and optionally best.pt).
 
@@ -705,11 +727,12 @@ def average_run(run_dir: Path, last: int, out: Path | None, as_best: bool) -> tu
         raise CheckpointError(f"{folder}: cannot list the checkpoints (permission denied); make it readable")
     steps = step_checkpoints(run_dir)
     if not steps:  # (stop 55: keep_last was blamed for a run that had not validated yet)
-        why = (
-            "train with train.keep_last > 0"
-            if load_run_config(run_dir).train.keep_last == 0
-            else "one is written at each validation, and the run has not validated yet"
-        )
+        if load_run_config(run_dir).train.keep_last == 0:
+            why = "train with train.keep_last > 0"
+        elif _validated(run_dir):  # (stop 69's probe: "has not validated yet" of a run copied without them)
+            why = "one is written at each validation; the run validated, and its step files are gone"
+        else:
+            why = "one is written at each validation, and the run has not validated yet"
         raise CheckpointError(f"{run_dir}: no checkpoints/step_N.pt to average ({why})")
     if last < 1:
         raise CheckpointError(f"--last must be >= 1, got {last}")

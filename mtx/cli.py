@@ -206,10 +206,12 @@ class _StoreOnce(argparse._StoreAction):
         super().__call__(parser, namespace, values, option)
 
 
-def refuse_repeats(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`parser` with `_StoreOnce` for its one-value options: the scripts' parsers, as mtx's own."""
-    parser.register("action", None, _StoreOnce)
-    parser.register("action", "store", _StoreOnce)
+def script_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """A script's parser, as mtx's own: a usage mistake is one line that begins with `name`, as
+    `run_script`'s errors do (stop 69's probe: argparse's usage block above it, and the script
+    named two ways), and an option that takes one value may be given once."""
+    parser = _Parser(description=description)
+    parser.name = name
     return parser
 
 
@@ -220,16 +222,19 @@ class _Parser(argparse.ArgumentParser):
     seven-line usage of translate above it). Subcommands' parsers are of the same class
     (`add_subparsers` makes them so). An option that takes one value may be given once (`_StoreOnce`)."""
 
+    name = "mtx"  # what its errors begin with (a script's name: `script_parser`)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        refuse_repeats(self)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
 
     def _print_message(self, message: str, file: IO[str] | None = None) -> None:
         if message:
             (file or sys.stderr).write(message)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"mtx: error: {message} (see {self.prog} --help)\n")  # 2: argparse's code for usage
+        self.exit(2, f"{self.name}: error: {message} (see {self.prog} --help)\n")  # 2: argparse's code for usage
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         """argparse's, except that an unknown option points to its command's help, not mtx's."""
@@ -270,8 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train Transformer translation models on Multi30k, translate, and score with sacreBLEU.",
     )
     parser.add_argument("--version", action="version", version=f"mtx {__version__}")
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="(before COMMAND) debug logging, and the traceback behind an error"
+    verbose = parser.add_argument(
+        "-v", "--verbose", action="store_true", help="debug logging, and the traceback behind an error"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -411,6 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
         "other run's at the same step and at the same training time.",
     )
     p.add_argument("--run", required=True, type=path_arg, action="append", help="run directory (at least two)")
+    for p in sub.choices.values():  # after the command too, as peers take it (stop 69's probe: refused there)
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose.help)
     return parser
 
 
@@ -977,7 +984,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         warn_of_invisible_ends(lines, f"--paired {path}", "output")
     for path, lines in others:
         if len(lines) != len(src):
-            raise MtxError(f"--paired {path}: {len(lines)} lines for the {len(src)} sentences of {name}")
+            counted = f"{len(lines)} line{'s' * (len(lines) != 1)}"
+            raise MtxError(f"--paired {path}: {counted} for the {len(src)} sentences of {name}")
     run = _load(args)
     source = _source_tag(args, name, cfg.data.dir)
     output = args.output or args.run / "eval" / _hypotheses_name(args, source, beam, stop, cfg, alpha)

@@ -201,6 +201,11 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
     def xs(events: list[dict[str, Any]]) -> list[float]:
         return [e["step"] if x == "step" else e["elapsed_s"] / 60 for e in events]
 
+    def faded(color: str, alpha: float) -> tuple[float, ...]:
+        """`color` at `alpha` over white, opaque: PostScript has no transparency (stop 69's probe:
+        matplotlib's warning on every .eps and .ps plot, and curves drawn at full strength)."""
+        return tuple(1 - alpha * (1 - c) for c in matplotlib.colors.to_rgb(color))
+
     labels = run_labels(run_dirs)
     if len(run_dirs) > 1 and (different := different_data(labels, run_dirs)):  # (stop 65: compare said it, plot not)
         log.warning("%s", different)
@@ -211,19 +216,19 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, x: str = "step") -> Path:
         name = "" if len(runs) == 1 else f"{label}: "
         train_label = f"{name}{train_loss_name(run_dir)}"
         one = "." if len(train) == 1 else None  # a line of one point is not drawn (stop 65: blank panels)
-        ax_loss.plot(xs(train), [e["loss"] for e in train], color=color, alpha=0.5, label=train_label, marker=one)
+        ax_loss.plot(xs(train), [e["loss"] for e in train], color=faded(color, 0.5), label=train_label, marker=one)
         ax_loss.plot(xs(valid), [e["val_loss"] for e in valid], "o-", color=color, ms=3, label=f"{name}val loss")
         ax_bleu.plot(xs(valid), [e["val_bleu"] for e in valid], "o-", color=color, ms=3, label=label)
         ax_lr.plot(xs(train), [e["lr"] for e in train], color=color, marker=one)
     ax_loss.set_ylabel("loss per target token")
-    ax_loss.legend(fontsize="small")
+    ax_loss.legend(fontsize="small", framealpha=1)
     ax_bleu.set_ylabel("val BLEU (greedy)")
     if len(runs) > 1:
-        ax_bleu.legend(fontsize="small")
+        ax_bleu.legend(fontsize="small", framealpha=1)
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_xlabel("update step" if x == "step" else "minutes of training")
     for ax in (ax_loss, ax_bleu, ax_lr):
-        ax.grid(alpha=0.3)
+        ax.grid(color=faded(matplotlib.rcParams["grid.color"], 0.3))
     fig.suptitle(_drawable(", ".join(str(r) for r in run_dirs)))
     with _no_glyph_warnings():
         fig.tight_layout()

@@ -2390,7 +2390,10 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
             raise MtxError(f"{run_dir}: nothing to resume (no checkpoints/last.pt); start it again with: {start}")
         # a run that trained, and lost last.pt: starting it again in place is refused below, so the
         # advice is a new run from what is left (stop 54: each error sent the user to the other)
-        kept = sorted(ckpt_io.checkpoint_dir(run_dir).glob("*.pt"), key=lambda p: p.name != "best.pt")
+        # best.pt, else the newest step (stop 69's probe: directory order named step_30 before step_40)
+        best, steps = ckpt_io.checkpoint_dir(run_dir) / "best.pt", ckpt_io.step_checkpoints(run_dir)[::-1]
+        others = sorted(p for p in ckpt_io.checkpoint_dir(run_dir).glob("*.pt") if p != best and p not in steps)
+        kept = [best] * best.is_file() + steps + others
         missing = f"{run_dir}: cannot resume: checkpoints/last.pt is missing"
         if not kept:
             raise MtxError(f"{missing}; train it again in a new --run-dir")
@@ -2735,7 +2738,7 @@ def init_source(cfg: Config) -> tuple[Path, Path] | None:
         run_dir = full
         checkpoint = ckpt_io.default_checkpoint(run_dir)
         if checkpoint is None:
-            raise MtxError(f"train.init_from: {path} holds no checkpoints/best.pt or last.pt; train it first")
+            raise MtxError(f"train.init_from: {ckpt_io.no_checkpoint(path)}")
     elif path.is_file() and full.parent.name == "checkpoints":
         checkpoint, run_dir = full, full.parent.parent  # RUN/checkpoints/NAME.pt
     elif path.is_file():

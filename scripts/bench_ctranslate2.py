@@ -28,7 +28,6 @@ so that tokens/s can be read with that in mind.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import sys
 import tempfile
@@ -43,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_decode import MtxSide, add_side_by_side_options, passes_in_turns, side_by_side_report  # noqa: E402
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
-from mtx.cli import path_arg, refuse_repeats  # noqa: E402
+from mtx.cli import path_arg, script_parser  # noqa: E402
 from mtx.errors import MtxError, run_script  # noqa: E402
 from mtx.export import OUTSIDE_BIAS, ctranslate2_vocabulary, export_ctranslate2  # noqa: E402
 from mtx.search import decode_workers  # noqa: E402
@@ -95,7 +94,7 @@ def _ct2_worker(conn: Any, model_dir: str, threads: int, batches: list[Any], alp
 
 
 def main() -> None:
-    parser = refuse_repeats(argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]))
+    parser = script_parser("bench_ctranslate2", (__doc__ or "").split("\n\n")[0])
     parser.add_argument("--run", type=path_arg, required=True, help="trained mtx run directory")
     add_side_by_side_options(parser)
     args = parser.parse_args()

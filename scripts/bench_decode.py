@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
-from mtx.cli import add_set_option, int_in, path_arg, refuse_repeats, thread_count, usable_cpus  # noqa: E402
+from mtx.cli import add_set_option, int_in, path_arg, script_parser, thread_count, usable_cpus  # noqa: E402
 from mtx.cli import main as mtx_main  # noqa: E402
 from mtx.config import AT_MOST, load_config  # noqa: E402
 from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
@@ -305,7 +305,7 @@ class WholeVocabulary(Seq2Seq):
 
 
 def main() -> None:
-    parser = refuse_repeats(argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]))
+    parser = script_parser("bench_decode", (__doc__ or "").split("\n\n")[0])
     parser.add_argument("--run", type=path_arg, help="trained run directory (default: train one)")
     parser.add_argument(
         "--config", help="config to train when --run is not given (default: this checkout's configs/tiny.yaml)"

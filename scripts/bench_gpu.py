@@ -16,7 +16,6 @@ The numbers of docs/speed.md's stop-46 section came from this code on an H200 (t
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -29,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.checkpoint import load_run  # noqa: E402
-from mtx.cli import int_in, path_arg, refuse_repeats  # noqa: E402
+from mtx.cli import int_in, path_arg, script_parser  # noqa: E402
 from mtx.data import read_parallel, resolve_data_dir, split_file  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
 from mtx.search import translate_ids  # noqa: E402
@@ -111,7 +110,7 @@ def sdpa_first_calls(device: torch.device) -> dict[str, float | str]:
 
 
 def main() -> None:
-    parser = refuse_repeats(argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0]))
+    parser = script_parser("bench_gpu", (__doc__ or "").split("\n")[0])
     parser.add_argument("--run", type=path_arg, required=True, help="trained run directory")
     parser.add_argument("--data-dir", type=path_arg, help="folder of the split's files (default: the run's data.dir)")
     parser.add_argument("--split", default="test_2016_flickr", help="the split decoded (default: %(default)s)")

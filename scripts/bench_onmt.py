@@ -39,7 +39,6 @@ pulling another torch, and leaves out its training and serving dependencies):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -55,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_decode import MtxSide, add_side_by_side_options, passes_in_turns, side_by_side_report  # noqa: E402
 
 from mtx.checkpoint import load_run  # noqa: E402
-from mtx.cli import path_arg, refuse_repeats  # noqa: E402
+from mtx.cli import path_arg, script_parser  # noqa: E402
 from mtx.errors import MtxError, run_script  # noqa: E402
 from mtx.export import ctranslate2_vocabulary, outside_bias  # noqa: E402
 from mtx.model import Seq2Seq, sinusoidal_positions  # noqa: E402
@@ -214,7 +213,7 @@ def check_python(path: Path) -> Path:
 
 
 def main() -> None:
-    parser = refuse_repeats(argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]))
+    parser = script_parser("bench_onmt", (__doc__ or "").split("\n\n")[0])
     parser.add_argument("--run", type=path_arg, required=True, help="trained mtx run directory")
     parser.add_argument(
         "--onmt-python", type=path_arg, required=True, help="python of a virtual environment with OpenNMT-py 3.5"

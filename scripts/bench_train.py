@@ -32,7 +32,6 @@ The reference's step time over that is the most mtx could gain on the reference 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -50,7 +49,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtx.cli import add_set_option, int_in, refuse_repeats, thread_count, usable_cpus  # noqa: E402
+from mtx.cli import add_set_option, int_in, script_parser, thread_count, usable_cpus  # noqa: E402
 from mtx.config import Config, ModelConfig, load_config  # noqa: E402
 from mtx.data import Batch, ParallelIds, load_corpus, padding_fraction, plan_batches, resolve_data_dir, texts  # noqa: E402
 from mtx.errors import ConfigError, MtxError, run_script, shown  # noqa: E402
@@ -285,7 +284,7 @@ def make_step(
 
 
 def main() -> None:
-    parser = refuse_repeats(argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]))
+    parser = script_parser("bench_train", (__doc__ or "").split("\n\n")[0])
     parser.add_argument(
         "--config",
         default=str(Path(__file__).resolve().parent.parent / "configs" / "multi30k_de_en.yaml"),

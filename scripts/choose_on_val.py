@@ -47,7 +47,7 @@ from mtx.checkpoint import (  # noqa: E402
     restore_best_single,
     step_checkpoints,
 )
-from mtx.cli import path_arg, refuse_repeats, thread_count, usable_cpus  # noqa: E402
+from mtx.cli import path_arg, script_parser, thread_count, usable_cpus  # noqa: E402
 from mtx.config import AT_MOST, MAX_LENGTH_PENALTY  # noqa: E402
 from mtx.data import (  # noqa: E402
     is_test_split,
@@ -118,7 +118,7 @@ def val_bleu(
 
 
 def main() -> None:
-    parser = refuse_repeats(argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0]))
+    parser = script_parser("choose_on_val", (__doc__ or "").split("\n")[0])
     parser.add_argument("--run", type=path_arg, required=True, help="run directory written by mtx train")
     parser.add_argument(
         "--last",

@@ -352,9 +352,15 @@ def test_average_of_more_than_the_kept_checkpoints_says_so(
     assert f"averaged {kept} checkpoints" in out
     assert f"--last {kept + 5}" in err and "train.keep_last" in err
     assert (run_copy / "checkpoints" / f"average_last{kept}.pt").is_file()
-    # none yet: a run stopped before its first validation (stop 55: keep_last was blamed)
+    # none left of a run that validated (a copy without them; stop 69's probe: "the run has not
+    # validated yet"); none yet: a run stopped before its first validation (stop 55: keep_last was blamed)
     for path in step_checkpoints(run_copy):
         path.unlink()
+    assert main(["average", "--run", str(run_copy)]) == 1
+    gone = "one is written at each validation; the run validated, and its step files are gone"
+    assert gone in capsys.readouterr().err
+    metrics = run_copy / "metrics.jsonl"
+    metrics.write_text("".join(line for line in metrics.read_text().splitlines(True) if '"valid"' not in line))
     assert main(["average", "--run", str(run_copy)]) == 1
     assert "one is written at each validation, and the run has not validated yet" in capsys.readouterr().err
     config = run_copy / "config.yaml"
@@ -790,11 +796,27 @@ def test_plot_never_writes_over_a_runs_file_nor_takes_a_directory_for_a_file(
     assert not (tmp_path / "figs").exists() and not (tmp_path / "figs.png").exists()
 
 
-def test_plot_draws_several_runs_against_time(tmp_path: Path) -> None:
-    runs = [fake_run(tmp_path / name, 0.1, [3.0, 2.0]) for name in ("a", "b")]
+def test_plot_draws_several_runs_against_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each run's curves, against minutes of training with `--x time` (stop 69's probe: the test
+    checked only that a PNG was written, and passed with --x ignored or one run drawn)."""
+    import matplotlib.pyplot as plt
+
+    runs = [fake_run(tmp_path / name, seconds, [3.0, 2.0]) for name, seconds in (("a", 0.3), ("b", 0.6))]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # the figure, kept to be read
     out = tmp_path / "both.png"
     assert main(["plot", "--run", str(runs[0]), "--run", str(runs[1]), "--x", "time", "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    loss, bleu, lr = figures[0].axes
+    assert [line.get_label() for line in bleu.get_lines()] == ["a", "b"]
+    assert [list(line.get_xdata()) for line in bleu.get_lines()] == [[0.5, 1.0], [1.0, 2.0]]  # minutes
+    assert [list(line.get_ydata()) for line in bleu.get_lines()] == [[10.0, 20.0]] * 2
+    assert len(loss.get_lines()) == 4 and len(lr.get_lines()) == 2 and lr.get_xlabel() == "minutes of training"
+    # PostScript draws no transparency: nothing is transparent, and matplotlib says nothing (stop 69's probe)
+    assert main(["plot", "--run", str(runs[0]), "--run", str(runs[1]), "--out", str(tmp_path / "both.eps")]) == 0
+    assert "transparency" not in capsys.readouterr().err and (tmp_path / "both.eps").read_bytes()[:4] == b"%!PS"
 
 
 def test_plot_writes_the_type_out_names_and_says_where(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

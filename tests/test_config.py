@@ -426,6 +426,14 @@ def test_did_you_mean_looks_in_other_sections_and_other_tools_names_first(key: s
         load_config(None, [f"{key}=1"])
 
 
+@pytest.mark.parametrize("key", ["train.foo", "decode.xyz", "train.", "model.bogus"])
+def test_an_unknown_key_of_a_known_section_is_not_sent_to_the_section(key: str) -> None:
+    """`train.foo` said "did you mean train?", which is refused as a section (stop 69's probe):
+    a key of a known section is matched against that section's keys only, and none close is no hint."""
+    with pytest.raises(ConfigError, match=rf"^--set: unknown key {re.escape(key)}$"):
+        load_config(None, [f"{key}=1"])
+
+
 def test_merges_whose_outcome_depends_on_the_yaml_version_are_refused(tmp_path: Path) -> None:
     """`<<: [{lr: 0.001}, {lr: 0.5}]` trained at 0.5 with PyYAML 6.0.4, at 0.001 with 6.0.3 (stop 64)."""
     path = tmp_path / "c.yaml"

@@ -2093,9 +2093,12 @@ def test_commands_to_copy_quote_their_paths(
     config = ["mtx", "train", "--config", str(run / "config.yaml"), "--run-dir"]
     assert pasted("start a new run from one: ") == [*config, "NEW", "--set", f"train.init_from={best}"]
     shutil.rmtree(run / "checkpoints")
-    with pytest.raises(MtxError, match="no checkpoints yet; train it first: ") as refused:
+    # a run that trained (its metrics.jsonl) without checkpoints cannot be started over: stop 69's
+    # probe found "no checkpoints yet; train it first" and a command that was refused
+    lost = r"holds no best.pt or last.pt, though the run trained \(its metrics.jsonl says so\): put them back, or"
+    with pytest.raises(MtxError, match=lost + r" train again in a new --run-dir$"):
         load_run(run)
-    assert shlex.split(str(refused.value).split("train it first: ")[1]) == [*config, str(run)]
+    assert main([*config[1:], str(run)]) == 1 and "already holds a run" in capsys.readouterr().err
     # while a training holds the run (setting up: no checkpoint yet), that command would be refused
     with (
         run_dir_lock(run),
@@ -2107,6 +2110,9 @@ def test_commands_to_copy_quote_their_paths(
     ):
         load_run(run)
     (run / "metrics.jsonl").unlink()
+    with pytest.raises(MtxError, match="no checkpoints yet; train it first: ") as refused:
+        load_run(run)
+    assert shlex.split(str(refused.value).split("train it first: ")[1]) == [*config, str(run)]
     assert main(["train", "--run-dir", str(run), "--resume"]) == 1
     assert pasted("start it again with: ") == [*config, str(run)]
 

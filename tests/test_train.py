@@ -967,3 +967,23 @@ def test_timing_bf16_draws_nothing_from_torchs_generator() -> None:
     state = torch.get_rng_state()
     train_module.cpu_bf16_speedup.__wrapped__()
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_resume_without_last_pt_suggests_best_pt_else_the_newest_step(tmp_path: Path) -> None:
+    """The new run to start from a run that lost last.pt: best.pt, else the newest step_N.pt by its
+    number (stop 69's probe: directory order named step_30.pt where step_40.pt was there)."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    (run / "metrics.jsonl").write_text("")
+    for name in ("step_30.pt", "step_100.pt", "step_20.pt", "mine.pt"):
+        (run / "checkpoints" / name).write_bytes(b"")
+
+    def suggested() -> str:
+        with pytest.raises(MtxError, match="cannot resume: checkpoints/last.pt is missing") as refused:
+            train_module.check_run_dir(run, resume=True)
+        return str(refused.value).rsplit("train.init_from=", 1)[1]
+
+    assert suggested() == str(run / "checkpoints" / "step_100.pt")
+    (run / "checkpoints" / "best.pt").write_bytes(b"")
+    assert suggested() == str(run / "checkpoints" / "best.pt")
