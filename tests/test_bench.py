@@ -202,8 +202,8 @@ def test_scripts_refuse_an_option_twice_and_a_beam_mtx_refuses(
     script: str, args: list[str], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, _, err = script_in_process(SCRIPT.with_name(script), args, monkeypatch, capsys)
-    assert code == 2 and f"{script}: error: {message}" in err, err
-    assert "Traceback" not in err
+    assert code == 2 and err.startswith(f"{script.removesuffix('.py')}: error: {message}"), err
+    assert err.count("\n") == 1 and err.endswith(f" (see {script} --help)\n"), err
 
 
 def test_bench_train_finds_its_default_config_from_any_directory(

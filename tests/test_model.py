@@ -30,6 +30,18 @@ def _model(
     return Seq2Seq(cfg, V, V if joint else V + 7, joint_vocab=joint).eval()
 
 
+def _trained_norms(model: Seq2Seq) -> Seq2Seq:
+    """`model` with a gain and bias of its own in every norm, as after training: a new model's
+    norms are all alike, so one norm's weights read in another's place went unseen (stop 69's
+    mutation probe: the cached step's post-LN cross-attention on the self-attention's norm, and the
+    pre-LN final norm on a layer's, passed every test)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.mul_(torch.empty_like(p).uniform_(0.5, 1.5)).add_(torch.randn_like(p) * 0.3)
+    return model
+
+
 # (pre_norm, scale_norm): pre-LN, post-LN, and pre-norm with ScaleNorm + FixNorm
 NORMS = pytest.mark.parametrize(("pre_norm", "scale_norm"), [(True, False), (False, False), (True, True)])
 
@@ -79,7 +91,7 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @NORMS
 def test_cached_and_uncached_decoder_logits_agree(pre_norm: bool, scale_norm: bool, device: str) -> None:
-    model = _model(pre_norm, scale_norm=scale_norm).to(device)
+    model = _trained_norms(_model(pre_norm, scale_norm=scale_norm)).to(device)
     src = _src().to(device)
     tgt = torch.tensor([[BOS, 20, 21, 22, 23], [BOS, 24, 25, 26, 27]], device=device)
     mask = make_src_mask(src)

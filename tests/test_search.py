@@ -504,10 +504,15 @@ def test_an_nbest_list_holds_each_text_once() -> None:
         once = translate_ids(model, srcs, 6, 1.0, 0.0, 6, 1000, nbest=6, stop=stop, text_key=text)
         best = translate_ids(model, srcs, 6, 1.0, 0.0, 6, 1000, nbest=1, stop=stop)
         texts = [[len({text(h.tokens) for h in hyps})] for hyps in plain]
-        for hyps, one, count in zip(once, best, texts, strict=True):
+        for hyps, one, count, every in zip(once, best, texts, plain, strict=True):
             assert len(hyps) == 6 and hyps[0].tokens == one[0].tokens
             assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
             count.append(len({text(h.tokens) for h in hyps}))
+            # each text at its best segmentation's score (other segmentations only fill a list of
+            # fewer texts); stop 69's mutation probe: keeping the worse one passed
+            for key in {text(h.tokens) for h in hyps}:
+                kept = max(h.score for h in hyps if text(h.tokens) == key)
+                assert all(p.score <= kept + 1e-6 for p in every if text(p.tokens) == key)
         # more different texts wherever the plain list repeated one, all 6 in some
         assert all(b >= a for a, b in texts) and any(a < b == 6 for a, b in texts), texts
         assert [h.tokens for h in once[3]] == [[]] * 6  # an empty input: as before
@@ -535,12 +540,13 @@ class _TwoSpellings:
     def packed_weights(self) -> Iterator[None]:
         yield
 
+    nexts = {BOS: {6: 0.35, 4: 0.30, 5: 0.30, EOS: 0.05}, 4: {EOS: 0.999}, 5: {EOS: 0.999}, 6: {EOS: 0.5, 7: 0.5}}
+    nexts[7] = {EOS: 0.999}
+
     def decode(self, tokens: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor, cache: None) -> torch.Tensor:
-        nexts = {BOS: {6: 0.35, 4: 0.30, 5: 0.30, EOS: 0.05}, 4: {EOS: 0.999}, 5: {EOS: 0.999}, 6: {EOS: 0.5, 7: 0.5}}
-        nexts[7] = {EOS: 0.999}
         out = torch.full((tokens.shape[0], tokens.shape[1], 8), -30.0)
         for i, last in enumerate(tokens[:, -1].tolist()):
-            for column, p in nexts.get(last, {}).items():
+            for column, p in self.nexts.get(last, {}).items():
                 out[i, -1, column] = math.log(p)
         return out
 
@@ -562,3 +568,85 @@ def test_fairseqs_stop_counts_every_finished_hypothesis_with_an_nbest_list_of_te
     # the exact search goes on to a longer, better output
     first = beam_search(_TwoSpellings(), src, 3, 10.0, 1.2, 10, nbest=1, stop="finished")[0]  # type: ignore[arg-type]
     assert text(first[0].tokens) == "a" and len(one[0].tokens) > 1 and one[0].score > first[0].score
+
+
+class _LongerWins(_TwoSpellings):
+    """After BOS: EOS (0.6) or 4 (0.4), which goes on to 5, 6, 7 and EOS at 0.999 each: with the
+    length penalty's alpha 2, the longer output wins (-0.331 against -0.511)."""
+
+    nexts = {BOS: {EOS: 0.6, 4: 0.4}, 4: {5: 0.999}, 5: {6: 0.999}, 6: {7: 0.999}, 7: {EOS: 0.999}}
+
+
+def test_the_exact_stop_waits_for_a_running_hypothesis_that_the_length_penalty_can_lift() -> None:
+    """A running hypothesis's best normalised score is bounded at the longest length it can reach:
+    stop 69's mutation probe bounded it at the next step's, which ended the search after step 1
+    with the worse output, and no test saw it."""
+    src = torch.tensor([[9, 9, EOS]])
+    for stop in ("exact", "finished"):
+        found = beam_search(_LongerWins(), src, 2, 2.0, 0.0, 6, nbest=1, stop=stop)[0]  # type: ignore[arg-type]
+        assert found[0].tokens == ([4, 5, 6, 7] if stop == "exact" else [])
+    assert found[0].score == pytest.approx(math.log(0.6))  # fairseq's stop: the first `beam` finished
+
+
+def test_greedy_stops_at_the_length_cap_and_the_last_position() -> None:
+    """Greedy keeps beam search's cap: a model that never chooses EOS gives cap - 1 pieces (EOS
+    is the cap-th output), and a cap past the positions stops at the last one (stop 69's mutation
+    probe: greedy forcing EOS a step late was caught only by one sentence of the trained run)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1, max_positions=16)
+    model = Seq2Seq(cfg, 40, 40, joint_vocab=True).eval()
+    with torch.no_grad():
+        model.tgt_embed.tokens.weight[EOS].zero_()  # EOS's logit 0: never the arg-max of this model
+    hyps = translate_ids(model, [[5, 6, 7], [8], [9, 10]], 1, 1.0, 0.0, 3, 1000)
+    assert [len(h[0].tokens) for h in hyps] == [2, 2, 2]
+    hyps = translate_ids(model, [[5, 6, 7]], 1, 1.0, 1e20, 0, 1000)  # no cap but the positions
+    assert len(hyps[0][0].tokens) == 16 - 2
+
+
+def _textbook_beam(model: Seq2Seq, src: list[int], k: int, alpha: float, cap: int) -> list[tuple[list[int], float]]:
+    """Beam search as described, without a cache, run to the length cap: each step's 2k best
+    candidates; an EOS among the first k finishes (its score over the GNMT penalty), the k best
+    others go on."""
+    s = torch.tensor([[*src, EOS]])
+    mask = make_src_mask(s)
+    memory = model.encode(s, mask)
+    beams: list[tuple[list[int], float]] = [([], 0.0)]
+    finished: list[tuple[list[int], float]] = []
+    for step in range(1, cap + 1):
+        tgt = torch.tensor([[BOS, *prefix] for prefix, _ in beams])
+        n = len(beams)
+        lp = model.decode(tgt, memory.expand(n, -1, -1), mask.expand(n, -1, -1, -1))[:, -1].float().log_softmax(-1)
+        lp[:, : model.unemitted_columns] = float("-inf")
+        if step == cap:  # only EOS at the cap
+            lp[:, :EOS] = lp[:, EOS + 1 :] = float("-inf")
+        candidates = sorted(
+            ((total + float(lp[b, v]), b, v) for b, (_, total) in enumerate(beams) for v in range(lp.shape[1])),
+            key=lambda c: -c[0],
+        )[: 2 * k]
+        finished += [
+            (beams[b][0], score / length_penalty(step, alpha))
+            for score, b, v in candidates[:k]
+            if v == EOS and score > float("-inf")
+        ]
+        beams = [(beams[b][0] + [v], score) for score, b, v in candidates if v != EOS][:k]
+    return sorted(finished, key=lambda f: -f[1])
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0, 3.0])
+@pytest.mark.parametrize("nbest", [1, 3])
+def test_beam_search_equals_a_textbook_beam_search(alpha: float, nbest: int) -> None:
+    """Against an independent beam search with a beam narrower than the vocabulary (stop 69's
+    mutation probe: finishing an EOS from all 2k candidates, not the first k, passed every test)."""
+    torch.manual_seed(3)
+    cfg = ModelConfig(d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=2, max_positions=32)
+    model = Seq2Seq(cfg, 12, 12, joint_vocab=True).eval()
+    with torch.no_grad():
+        model.src_embed.tokens.weight.mul_(3.0)
+    sources = [[4, 5, 6], [7, 8], [9], [10, 11, 4, 5], [6, 6], [11, 9, 8], [5], [8, 4]]
+    k, cap = 3, 7
+    with torch.inference_mode():
+        found = beam_search(model, pad_ids(sources, suffix=EOS), k, alpha, 0.0, cap, nbest=nbest)
+        for hyps, src in zip(found, sources, strict=True):
+            want = _textbook_beam(model, src, k, alpha, cap)[:nbest]
+            assert [h.tokens for h in hyps] == [tokens for tokens, _ in want]
+            assert [h.score for h in hyps] == pytest.approx([score for _, score in want], abs=1e-5)
