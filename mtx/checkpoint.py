@@ -463,10 +463,6 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     return obj
 
 
-def shape_fingerprint(model: Seq2Seq) -> dict[str, list[int]]:
-    return {k: list(v.shape) for k, v in model.state_dict().items()}
-
-
 def check_same_model(ckpt: dict[str, Any], path: Path, vocab: str, model_cfg: ModelConfig) -> None:
     """One-line errors when a checkpoint's vocabulary or model settings differ from the run's,
     before a model is built for it. The settings that change no parameter's shape (`n_heads`,
@@ -505,8 +501,8 @@ def check_compatible(ckpt: dict[str, Any], path: Path, vocab: str, model: Seq2Se
 def check_shapes(ckpt: dict[str, Any], path: Path, model: Seq2Seq) -> None:
     """A one-line error when a checkpoint's weights do not fit `model` (names, shapes, and numbers
     of the same kind: stop 62, integer weights were cast to floats without a word)."""
-    expected = shape_fingerprint(model)
     state = model.state_dict()
+    expected = {k: list(v.shape) for k, v in state.items()}
     for key, weights in ckpt["model"].items():
         if key in state and weights.is_floating_point() != state[key].is_floating_point():
             raise CheckpointError(f"{path}: {key} holds {weights.dtype} numbers, the model {state[key].dtype}")

@@ -25,7 +25,17 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from mtx import __version__
-from mtx.config import AT_MOST, MAX_LENGTH_PENALTY, QUANTIZATIONS, STOPS, expand_user, name_problem
+from mtx.config import (
+    AT_MOST,
+    MAX_LENGTH_PENALTY,
+    PRECISIONS,
+    QUANTIZATIONS,
+    STOPS,
+    DecodeConfig,
+    config_text,
+    expand_user,
+    name_problem,
+)
 from mtx.errors import (
     STOP_SIGNALS,
     ConfigError,
@@ -185,7 +195,7 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--precision",
-        choices=("fp32", "bf16"),
+        choices=PRECISIONS,
         help="decode with the weights in this type (default: decode.precision); bf16 pays on CPUs whose bf16 "
         "products are fast (AMX, Zen 4's AVX-512 BF16; a warning says where they are slow) and on GPUs for "
         "models big enough to be bound by their products (at d_model 256 an H200 decoded slower in bf16)",
@@ -462,7 +472,6 @@ def _restore_config(run_dir: Path) -> None:
         return
     from mtx.checkpoint import atomic_write_text, load_checkpoint, run_dir_lock
     from mtx.config import from_dict
-    from mtx.train import config_text
 
     with run_dir_lock(run_dir):  # not while a training sets the run up
         cfg = from_dict(load_checkpoint(last).get("config"), f"{last}'s config")
@@ -470,12 +479,12 @@ def _restore_config(run_dir: Path) -> None:
     log.warning("%s: %s was missing; written again from %s", run_dir, CONFIG_FILE, last)
 
 
-def _decode_settings(args: argparse.Namespace, cfg_decode: object) -> tuple[int, float, int, int, str]:
-    beam = args.beam if args.beam is not None else cfg_decode.beam  # type: ignore[attr-defined]
-    alpha = args.length_penalty if args.length_penalty is not None else cfg_decode.length_penalty  # type: ignore[attr-defined]
-    batch_tokens = args.batch_tokens if args.batch_tokens is not None else cfg_decode.batch_tokens  # type: ignore[attr-defined]
-    workers = args.workers if args.workers is not None else cfg_decode.workers  # type: ignore[attr-defined]
-    stop = args.stop or cfg_decode.stop  # type: ignore[attr-defined]
+def _decode_settings(args: argparse.Namespace, cfg_decode: DecodeConfig) -> tuple[int, float, int, int, str]:
+    beam = args.beam if args.beam is not None else cfg_decode.beam
+    alpha = args.length_penalty if args.length_penalty is not None else cfg_decode.length_penalty
+    batch_tokens = args.batch_tokens if args.batch_tokens is not None else cfg_decode.batch_tokens
+    workers = args.workers if args.workers is not None else cfg_decode.workers
+    stop = args.stop or cfg_decode.stop
     if not 1 <= beam <= AT_MOST["decode.beam"]:  # (stop 56: 1e10 was a traceback, 1e8 ran for minutes)
         raise MtxError(f"--beam must be from 1 to {AT_MOST['decode.beam']:,}, got {beam}")
     if not (math.isfinite(alpha) and 0 <= alpha <= MAX_LENGTH_PENALTY):

@@ -10,7 +10,6 @@ import dataclasses
 import difflib
 import math
 import re
-import types
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -135,6 +134,7 @@ class TrainConfig:
 
 
 STOPS = ("exact", "finished")  # decode.stop, beam search's stopping rules (mtx.search.beam_search)
+PRECISIONS = ("fp32", "bf16")  # decode.precision, the weights' type in decoding
 # `mtx export`'s CTranslate2 weight types (mtx.export)
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16")
 
@@ -168,7 +168,7 @@ class Config:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "train.schedule": ("inverse_sqrt", "noam", "constant", "linear"),
     "train.amp": ("auto", "bf16", "fp16", "fp32"),
-    "decode.precision": ("fp32", "bf16"),
+    "decode.precision": PRECISIONS,
     "decode.stop": STOPS,
     "train.optimizer": ("adam", "adamw"),
     "model.norm": ("layer", "scale"),
@@ -261,8 +261,6 @@ def _convert(value: Any, hint: Any, key: str, where: str) -> Any:
         if len(value) != len(args):
             raise bad
         return tuple(_convert(v, a, key, where) for v, a in zip(value, args, strict=True))
-    if origin in (typing.Union, types.UnionType):
-        raise bad  # no optional fields in the schema
     if hint is bool:
         if isinstance(value, bool):
             return value
@@ -601,7 +599,7 @@ def validate(cfg: Config, where: str = "config") -> None:
         if problem:  # (stop 62: a path was taken, then missing as the file train.../other/train.fr)
             raise ConfigError(f"{where}: each of data.extra_src_langs {problem}")
         mains = (cfg.data.src_lang.casefold(), cfg.data.tgt_lang.casefold())
-        if not lang or lang.casefold() in mains or folded.count(lang.casefold()) > 1:
+        if lang.casefold() in mains or folded.count(lang.casefold()) > 1:  # (empty: name_problem)
             raise ConfigError(
                 f"{where}: data.extra_src_langs must list other languages than data.src_lang and data.tgt_lang, "
                 f"each once, got {list(extra)}"
@@ -909,8 +907,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, who
     return cfg
 
 
-def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+def config_text(cfg: Config) -> str:
+    """The YAML a run records as its config.yaml, which `load_config` reads back."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
 CONFIG_FILE = "config.yaml"  # a run directory's resolved config

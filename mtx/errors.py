@@ -286,6 +286,10 @@ def _run_script(prog: str, main: Callable[[], None]) -> None:
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(141)
+    except MemoryError:  # as mtx's own commands say it (stop 69's probe: a script's was a traceback)
+        advice = memory_advice("free memory, or use a machine with more")
+        print(f"{prog}: error: out of memory; {advice}", file=sys.stderr)
+        sys.exit(1)
     except OSError as e:
         print(os_error_line(prog, e), file=sys.stderr)
         sys.exit(1)

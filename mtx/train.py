@@ -10,6 +10,7 @@ alone writes the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import functools
@@ -37,11 +38,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import yaml
 from torch.nn.parallel import DistributedDataParallel
 
 from mtx import checkpoint as ckpt_io
-from mtx.config import Config, TrainConfig, to_dict, user_path
+from mtx.config import Config, TrainConfig, config_text, to_dict, user_path
 from mtx.data import (
     Batch,
     ParallelIds,
@@ -1019,6 +1019,27 @@ class Trainer:
         dist.all_reduce(t)
         return t.tolist()
 
+    def _in_order(self, mine: list[Any], n: int) -> list[Any]:
+        """The `n` items that the ranks share out (rank r takes items r, r + world_size, ...; `mine`
+        its own), gathered back in order on every rank."""
+        world = self.ranks.world_size
+        if world == 1:
+            return mine
+        shares: list[Any] = [None] * world
+        dist.all_gather_object(shares, mine)
+        return [shares[i % world][i // world] for i in range(n)]
+
+    @contextlib.contextmanager
+    def _peer_lost_said(self) -> Iterator[None]:
+        """A collective that failed because another rank of the job ended, said in one line (gloo's
+        own error is a long traceback that does not say so)."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.ranks.world_size > 1 and _peer_lost(e):
+                raise self._peer_lost_error(e) from None
+            raise
+
     def _check_same_config(self) -> None:
         """Every rank trains rank 0's config, but for the keys a machine may set for itself (stop
         55: a `--set train.max_steps` given on one machine only hung the job at that rank's end)."""
@@ -1621,12 +1642,7 @@ class Trainer:
             hyps = translate_ids(
                 teacher, share, 1, 0.0, dc.max_len_a, dc.max_len_b, dc.batch_tokens, workers=dc.workers
             )
-            outputs = [h[0].tokens for h in hyps]
-            if world == 1:
-                return outputs
-            shares: list[Any] = [None] * world  # each rank's list of outputs
-            dist.all_gather_object(shares, outputs)
-            return [shares[i % world][i // world] for i in range(len(sentences))]
+            return self._in_order([h[0].tokens for h in hyps], len(sentences))
 
         def kept(outputs: list[list[int]]) -> list[int]:
             return [i for i, out in enumerate(outputs) if 0 < len(out) <= limit]
@@ -1797,15 +1813,10 @@ class Trainer:
             dc.batch_tokens,
             workers=dc.workers,
         )
-        if world > 1:
-            totals = torch.tensor([loss_sum, n_tokens], dtype=torch.float64, device=self.device)
-            dist.all_reduce(totals)
-            loss_sum, n_tokens = totals[0].item(), int(totals[1].item())
-            shares: list[Any] = [None] * world  # each rank's list of translations
-            dist.all_gather_object(shares, text)
-            if not self.ranks.is_main:
-                return None
-            text = [shares[i % world][i // world] for i in range(len(src_ids))]
+        loss_sum, n_tokens = self._sum_over_ranks([loss_sum, n_tokens])
+        text = self._in_order(text, len(src_ids))
+        if not self.ranks.is_main:
+            return None
         scores = corpus_scores(text, self.valid_refs)
         return {"val_loss": loss_sum / n_tokens, "val_bleu": scores.bleu, "val_chrf": scores.chrf}
 
@@ -1853,12 +1864,8 @@ class Trainer:
         st = self.state
         limit = None
         if not self.resumed:
-            try:
+            with self._peer_lost_said():  # (stop 68's probe: rank 0 failing to write it left gloo's traceback here)
                 self.save()  # from here on the run can always be resumed
-            except RuntimeError as e:  # (stop 68's probe: rank 0 failing to write it left gloo's traceback here)
-                if self.ranks.world_size > 1 and _peer_lost(e):
-                    raise self._peer_lost_error(e) from None
-                raise
         else:
             if self.ranks.is_main:
                 self._complete_step_files()
@@ -2065,12 +2072,8 @@ class Trainer:
             if metrics is not None:
                 with named_os_errors(metrics.name):
                     metrics.close()
-        try:
+        with self._peer_lost_said():  # (stop 66: rank 0 failing in the last validation's files left rank 1 here)
             self.save()
-        except RuntimeError as e:  # (stop 66: rank 0 failing in the last validation's files left rank 1 here)
-            if self.ranks.world_size > 1 and _peer_lost(e):
-                raise self._peer_lost_error(e) from None
-            raise
         if stop.signal is not None:  # it came in the last step or validation: nothing was left to stop
             log.info("%s came as the run was ending: it is complete", signal.Signals(stop.signal).name)
         log.info(
@@ -2458,11 +2461,6 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, val: str | None = 
             ckpt_io.atomic_write_text(path, original.read_text(encoding="utf-8"))
     ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
     return None
-
-
-def config_text(cfg: Config) -> str:
-    """The YAML a run records as its config.yaml (as `save_config` writes it)."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
 def resolve_config(cfg: Config) -> Config:

@@ -28,10 +28,9 @@ from mtx.checkpoint import (
     step_checkpoints,
 )
 from mtx.cli import main
-from mtx.config import load_config
+from mtx.config import config_text, load_config
 from mtx.errors import CheckpointError, import_failed
 from mtx.plot import run_labels
-from mtx.train import config_text
 
 from .conftest import TINY_CONFIG, script_in_process
 from .test_cli import assert_one_line_error, mtx_here

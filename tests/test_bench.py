@@ -276,6 +276,7 @@ def _raise(error: BaseException) -> Callable[[], None]:
         (IsADirectoryError(21, "Is a directory", "out/best.pt"), 1, "bench: error: out/best.pt: Is a directory\n"),
         (OSError(28, "No space left on device"), 1, "bench: error: No space left on device\n"),
         (KeyboardInterrupt(), 130, "bench: interrupted\n"),
+        (MemoryError(), 1, "bench: error: out of memory; free memory, or use a machine with more\n"),
         (BrokenPipeError(32, "Broken pipe"), 141, ""),
     ],
 )
