@@ -783,7 +783,8 @@ def _not_a_runs_file(path: Path, named: str, fix: str, own_run: Path | None = No
 
     other_run = any_runs_file(path)
     if other_run is not None and not (own_run is not None and _same_file(other_run, [own_run])):
-        raise MtxError(f"{named} is one of the files of the run {other_run}; {fix}")
+        # (stop 69's probe: a step_N.pt not yet written was called one of its files)
+        raise MtxError(f"{named} is one of the files of the run {other_run}, or a name it writes; {fix}")
 
 
 def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> None:
@@ -918,6 +919,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
     if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
+    repeated = next((path for i, path in enumerate(args.paired) if path in args.paired[:i]), None)
+    if repeated is not None:  # (stop 69's probe: its test was printed twice without a word)
+        raise MtxError(f"--paired {repeated} is given twice; give each system's output once")
     cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
     from mtx.checkpoint import atomic_write_text, checkpoint_dir, run_files
     from mtx.data import (

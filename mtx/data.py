@@ -491,7 +491,7 @@ def resolve_data_dir(cfg: DataConfig) -> Path:
     if cfg.dir != "auto":
         path = user_path(cfg.dir, "data.dir")
         if path.exists() and not path.is_dir():
-            raise DataError(f"data.dir: {path} is a file, not a directory; set data.dir to a data dir")
+            raise DataError(f"data.dir: {path} is a file, not a directory; set data.dir to the data files' directory")
         if not path.is_dir():
             # (stop 68's probe: a config's `../data` looked for beside the config, unsaid)
             here = (
@@ -499,7 +499,8 @@ def resolve_data_dir(cfg: DataConfig) -> Path:
                 if path.is_absolute()
                 else f" (a relative data.dir is read from the working directory: {path.absolute()})"
             )
-            raise DataError(f"data.dir: directory {path} does not exist{here}; set data.dir to a data dir")
+            fix = "set data.dir to the data files' directory"
+            raise DataError(f"data.dir: directory {path} does not exist{here}; {fix}")
         return path.resolve()
     needed = _needed(cfg)
     env = os.environ.get("MTX_DATA_DIR")

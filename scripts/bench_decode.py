@@ -319,7 +319,7 @@ def main() -> None:
         "--batch-sentences", type=int_in(1), default=64, help="sentences per batch (default: %(default)s)"
     )
     parser.add_argument("--sentences", type=int_in(0), default=0, help="first N sentences only (0: all)")
-    parser.add_argument("--no-length-cap", action="store_true", help="max output length 1.5*src+10 (a=1.5)")
+    parser.add_argument("--no-length-cap", action="store_true", help="a looser length cap: 1.5*src + decode.max_len_b")
     parser.add_argument(
         "--turn-batches",
         type=int_in(1),

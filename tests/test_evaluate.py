@@ -123,6 +123,12 @@ def test_eval_prints_intervals_and_paired_tests(
         capsys.readouterr().err.strip()
         == f"mtx: error: --paired {tmp_path / 'short.en'}: 2 lines for the 200 sentences of val"
     )
+    (tmp_path / "one.en").write_text("a\n")  # (stop 69's probe: "1 lines")
+    assert main([*args, "--paired", str(tmp_path / "one.en")]) == 1
+    assert "one.en: 1 line for the 200 sentences of val" in capsys.readouterr().err
+    # one file twice: its test was printed twice without a word (stop 69's probe)
+    assert main([*args, "--paired", str(first), "--paired", str(first)]) == 1
+    assert capsys.readouterr().err == f"mtx: error: --paired {first} is given twice; give each system's output once\n"
     assert main([*args, "--bootstrap", "10"]) == 1
     assert "--bootstrap must be 0 (off) or at least 100" in capsys.readouterr().err
     # sacreBLEU would need 6 GB for these resamples (before, found after decoding, if memory allowed)
