@@ -580,9 +580,11 @@ def no_checkpoint(run_dir: Path) -> str:
     directory, since training refuses to start over a run that trained (stop 69's probe: "no
     checkpoints yet; train it first" gave a command that this refusal answered)."""
     if (run_dir / "metrics.jsonl").exists():
+        steps = step_checkpoints(run_dir)
+        kept = f"give its newest step checkpoint ({steps[-1]}) instead, " if steps else ""
         return (
             f"{run_dir}: its checkpoints/ holds no best.pt or last.pt, though the run trained (its metrics.jsonl "
-            "says so): put them back, or train again in a new --run-dir"
+            f"says so): {kept}put them back, or train again in a new --run-dir"
         )
     start = command_line(*own_command(), "train", "--config", run_dir / CONFIG_FILE, "--run-dir", run_dir)
     return f"{run_dir}: no checkpoints yet; train it first: {start}"

@@ -919,7 +919,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
     if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
-    repeated = next((path for i, path in enumerate(args.paired) if path in args.paired[:i]), None)
+    resolved = [path.resolve() for path in args.paired]  # (a.en and x/../a.en are one file)
+    repeated = next((path for i, path in enumerate(args.paired) if resolved[i] in resolved[:i]), None)
     if repeated is not None:  # (stop 69's probe: its test was printed twice without a word)
         raise MtxError(f"--paired {repeated} is given twice; give each system's output once")
     cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)

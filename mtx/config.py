@@ -390,10 +390,13 @@ def _closest_key(key: str) -> str | None:
     begun = [k for k in keys if k.startswith(f"{section}.{leaf}")] if section and len(leaf) >= 3 else []
     if len(begun) == 1:
         return begun[0]
-    if section in _section_types():  # only its own keys (stop 69's probe: train.foo "did you mean train?")
-        own = [k for k in keys if k.startswith(f"{section}.")]
-        close = difflib.get_close_matches(lowered, own, n=1, cutoff=0.75) if leaf else []
-        return close[0] if close else None
+    if section in _section_types():  # a key, not a section (stop 69's probe: train.foo "did you mean train?"):
+        # the closest leaf of any section's, its own on a tie (train.max_position: model.max_positions)
+        ratio, _, best = max(
+            (difflib.SequenceMatcher(None, leaf, k.rpartition(".")[2]).ratio(), k.startswith(f"{section}."), k)
+            for k in keys
+        )
+        return best if leaf and ratio >= 0.75 else None
     known |= {k.lower(): k for k in keys + list(_section_types())}
     close = difflib.get_close_matches(lowered, list(known), n=1, cutoff=0.5)
     return known[close[0]] if close else None

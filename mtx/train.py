@@ -2736,6 +2736,8 @@ def init_source(cfg: Config) -> tuple[Path, Path] | None:
         run_dir = full
         checkpoint = ckpt_io.default_checkpoint(run_dir)
         if checkpoint is None:
+            if not (run_dir / ckpt_io.CONFIG_FILE).is_file():  # (stop 69's review: "train it first" of no run)
+                raise MtxError(f"train.init_from: {path} is not a run directory (no config.yaml) nor a checkpoint")
             raise MtxError(f"train.init_from: {ckpt_io.no_checkpoint(path)}")
     elif path.is_file() and full.parent.name == "checkpoints":
         checkpoint, run_dir = full, full.parent.parent  # RUN/checkpoints/NAME.pt

@@ -288,7 +288,7 @@ def choose(args: argparse.Namespace) -> None:
             print(f"{single} is now {restore_best_single(args.run)} again")
         elif args.apply:  # (stop 65: nothing was said)
             print(f"--apply: the {start_name} ({single}) was chosen; nothing to change")
-        elif chosen is not single_ckpt:  # (stop 69's probe: the chosen average was left unsaid)
+        elif chosen is not single_ckpt or single.name == BEST_SINGLE:  # (stop 69's probe: left unsaid)
             print(
                 f"not applied: run again with --apply to make the {name} the run's best.pt, then decode with "
                 f"--length-penalty {best_alpha:g} --beam {best_beam}"

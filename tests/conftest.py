@@ -102,13 +102,13 @@ def tiny_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 def main_in_process(
-    argv: list[str], stdin: bytes | None, monkeypatch: pytest.MonkeyPatch
+    argv: list[str], stdin: bytes | None, monkeypatch: pytest.MonkeyPatch, cwd: Path = REPO
 ) -> subprocess.CompletedProcess[bytes]:
     """`mtx ARGV` through its entry point in this process, as test_cli's `mtx()` runs it in a new
-    one (a process imports torch in 2-3 s: 40 cases took 77 s of the suite): its exit code and
-    standard streams. An exception that would print a traceback fails the test with it; the
-    working directory and standard input are restored by `monkeypatch`, torch's threads here."""
-    monkeypatch.chdir(REPO)
+    one (a process imports torch in 2-3 s: 40 cases took 77 s of the suite), from `cwd`: its exit
+    code and standard streams. An exception that would print a traceback fails the test with it;
+    the working directory and standard input are restored by `monkeypatch`, torch's threads here."""
+    monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin or b""), encoding="utf-8"))
     threads = torch.get_num_threads()
     out, err = io.StringIO(), io.StringIO()

@@ -692,7 +692,7 @@ def test_compare_lines_runs_up_at_equal_steps_and_equal_time(tmp_path: Path, cap
 
 def test_compare_and_plot_read_their_runs_without_importing_torch(tmp_path: Path) -> None:
     """`compare` and `plot` read metrics.jsonl, config.yaml and the val files: stop 69's probe found
-    them importing torch for text and file helpers (compare 0.18 -> 3.3 s since stop 57)."""
+    them importing torch for text and file helpers since stop 57 (compare 0.3 s -> 2.3 s alone)."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "val.de").write_text("Ein Hund.\nZwei Hunde.\n")

@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from mtx.errors import ConfigError, run_script
+from mtx.errors import ConfigError, memory_advice, run_script
 from mtx.train import BF16_MIN_SPEEDUP
 
 from .conftest import REPO, TINY_CONFIG, script_in_process
@@ -276,7 +276,11 @@ def _raise(error: BaseException) -> Callable[[], None]:
         (IsADirectoryError(21, "Is a directory", "out/best.pt"), 1, "bench: error: out/best.pt: Is a directory\n"),
         (OSError(28, "No space left on device"), 1, "bench: error: No space left on device\n"),
         (KeyboardInterrupt(), 130, "bench: interrupted\n"),
-        (MemoryError(), 1, "bench: error: out of memory; free memory, or use a machine with more\n"),
+        (
+            MemoryError(),
+            1,
+            f"bench: error: out of memory; {memory_advice('free memory, or use a machine with more')}\n",
+        ),
         (BrokenPipeError(32, "Broken pipe"), 141, ""),
     ],
 )

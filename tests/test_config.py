@@ -416,6 +416,10 @@ def test_a_files_section_mistake_is_blamed_on_the_file_whatever_is_set(tmp_path:
         ("train.max_step", "train.max_steps"),
         ("decode.beam_size", "decode.beam"),
         ("lr", "train.lr"),
+        # misspelt and in another section (kept in stop 69, whose first fix lost them)
+        ("train.max_position", "model.max_positions"),
+        ("decode.n_head", "model.n_heads"),
+        ("model.warmup_step", "train.warmup_steps"),
     ],
 )
 def test_did_you_mean_looks_in_other_sections_and_other_tools_names_first(key: str, meant: str) -> None:

@@ -1961,11 +1961,12 @@ def test_bad_input_is_one_line_error_and_changes_nothing(
 ) -> None:
     _, setup, needles = case
     argv, stdin = setup(tmp_path, small_data, tiny_run)
-    before = snapshot(tmp_path, tiny_run), sorted(REPO.iterdir())
-    assert_one_line_error(main_in_process(argv, stdin, monkeypatch), *needles)
-    # nothing created, changed or removed; nothing made in the working directory, the checkout
-    # (`main_in_process`'s; stop 69's probe: a relative file made there was not looked for)
-    assert (snapshot(tmp_path, tiny_run), sorted(REPO.iterdir())) == before
+    # run from an empty directory of tmp_path: a file made relative to the working directory is seen
+    # too (stop 69's probe: they ran from the checkout, which was not looked at)
+    (tmp_path / "cwd").mkdir()
+    before = snapshot(tmp_path, tiny_run)
+    assert_one_line_error(main_in_process(argv, stdin, monkeypatch, tmp_path / "cwd"), *needles)
+    assert snapshot(tmp_path, tiny_run) == before  # nothing created, changed or removed
 
 
 class GoneReader(io.StringIO):
@@ -2097,9 +2098,14 @@ def test_commands_to_copy_quote_their_paths(
     shutil.rmtree(run / "checkpoints")
     # a run that trained (its metrics.jsonl) without checkpoints cannot be started over: stop 69's
     # probe found "no checkpoints yet; train it first" and a command that was refused
-    lost = r"holds no best.pt or last.pt, though the run trained \(its metrics.jsonl says so\): put them back, or"
-    with pytest.raises(MtxError, match=lost + r" train again in a new --run-dir$"):
+    lost = r"holds no best.pt or last.pt, though the run trained \(its metrics.jsonl says so\): "
+    with pytest.raises(MtxError, match=lost + r"put them back, or train again in a new --run-dir$"):
         load_run(run)
+    (run / "checkpoints").mkdir()  # a step file left: it is named (stop 69's review)
+    (run / "checkpoints" / "step_2.pt").write_bytes(b"")
+    with pytest.raises(MtxError, match=lost + rf"give its newest step checkpoint \({re.escape(str(run))}/checkpoints"):
+        load_run(run)
+    shutil.rmtree(run / "checkpoints")
     assert main([*config[1:], str(run)]) == 1 and "already holds a run" in capsys.readouterr().err
     # while a training holds the run (setting up: no checkpoint yet), that command would be refused
     with (

@@ -643,6 +643,8 @@ def test_init_from_starts_a_new_run_from_another_runs_weights_and_tokenizer(
         (["train.init_from={tmp}/nowhere"], "{tmp}/nowhere not found"),
         (["train.init_from={run}/config.yaml"], "config.yaml is a file outside a run's checkpoints/"),
         (["train.init_from={run}/checkpoints"], "is a run's checkpoints directory; give the run directory ({run})"),
+        # (stop 69's review: "train it first" of a directory that is no run)
+        (["train.init_from={tmp}"], "{tmp} is not a run directory (no config.yaml) nor a checkpoint"),
         (["train.init_from={run}", "model.d_model=32"], "was trained with model.d_model=64, this config has 32"),
         (["train.init_from={run}", "data.src_lang=en", "data.tgt_lang=de"], "was trained with data.src_lang='de'"),
         (["train.init_from={run}", "tokenizer.vocab_size=900"], "tokenizer.vocab_size=1000"),
