@@ -993,3 +993,41 @@ def test_the_glyph_warnings_of_every_matplotlib_wording_are_quiet() -> None:
                 warnings.warn(f"Glyph 26085 (\\N{{CJK UNIFIED IDEOGRAPH-65E5}}) missing from {ending}", stacklevel=1)
         with pytest.raises(UserWarning):
             warnings.warn("another warning", stacklevel=1)
+
+
+# -- stop 69's second mutation probe: behaviour no test pinned ------------------------------------
+
+
+def test_step_checkpoints_are_in_step_order_past_a_power_of_ten(tmp_path: Path) -> None:
+    """keep_last rotation and `mtx average --last` take the newest by step: step_1000 is newer
+    than step_999 and step_200 (sorted by name it came first, and rotation removed it)."""
+    from mtx.checkpoint import step_checkpoints
+
+    (tmp_path / "checkpoints").mkdir()
+    for step in (200, 999, 1000, 1200, 10000):
+        (tmp_path / "checkpoints" / f"step_{step}.pt").write_bytes(b"x")
+    assert [p.name for p in step_checkpoints(tmp_path)] == [
+        "step_200.pt",
+        "step_999.pt",
+        "step_1000.pt",
+        "step_1200.pt",
+        "step_10000.pt",
+    ]
+
+
+def test_an_average_refuses_members_whose_whole_number_tensors_differ(tmp_path: Path) -> None:
+    """Integer tensors (a restricted model's output_ids) cannot be averaged: members that differ
+    in one are not from the same run (averaging kept the first's and mixed two models)."""
+    from mtx.checkpoint import FORMAT_VERSION, CheckpointError, atomic_save, average_checkpoints
+
+    paths = []
+    for i, ids in enumerate(([4, 5, 6], [4, 5, 7])):
+        model = {"w": torch.full((2, 2), float(i)), "output_ids": torch.tensor(ids)}
+        paths.append(tmp_path / f"step_{i + 1}.pt")
+        payload = {"format_version": FORMAT_VERSION, "model": model, "config": {}, "vocab": "v", "step": i + 1}
+        atomic_save(payload, paths[-1])
+    with pytest.raises(CheckpointError, match="output_ids differs"):
+        average_checkpoints(paths)
+    same = {"w": torch.ones(2, 2), "output_ids": torch.tensor([4, 5, 6])}
+    atomic_save({"format_version": FORMAT_VERSION, "model": same, "config": {}, "vocab": "v", "step": 3}, paths[1])
+    assert torch.equal(average_checkpoints(paths)["model"]["w"], torch.full((2, 2), 0.5))

@@ -604,3 +604,53 @@ def test_a_silent_or_refusing_proxy_ends_the_download_with_its_reason(
         close()
     assert time.monotonic() - started < 60
     assert not (tmp_path / "mtx" / "multi30k" / "val.en.gz").exists()
+
+
+# -- stop 69's second mutation probe: behaviour no test pinned ------------------------------------
+
+
+def _lens(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    src = rng.integers(3, 40, n)
+    return src, np.clip(src + rng.integers(-5, 6, n), 2, None)
+
+
+def test_a_seeded_plan_shuffles_the_batch_order_and_the_batches_contents() -> None:
+    """plan_batches' docstring: equal keys are shuffled by the seed, and so is the order of the
+    batches. Without the order shuffle every epoch ran from the shortest batches to the longest;
+    without the tie shuffle every epoch had the same batches, only reordered."""
+    src, tgt = _lens(3000)
+    plan = plan_batches(src, tgt, 400, seed=1)
+    lengths = np.array([src[b].max() for b in plan])
+    rho = np.corrcoef(np.arange(len(plan)), np.argsort(np.argsort(lengths)))[0, 1]
+    assert abs(rho) < 0.3  # not sorted by length
+    other = plan_batches(src, tgt, 400, seed=2)
+    assert {tuple(sorted(b.tolist())) for b in plan} != {tuple(sorted(b.tolist())) for b in other}
+
+
+def test_rank_shards_are_dealt_round_robin_from_the_plan() -> None:
+    """epoch_batches: after k batches on each of w ranks, exactly the plan's first k * w are used
+    (so a run resumes on another number of ranks)."""
+    from mtx.data import epoch_batches, epoch_plan
+
+    src, tgt = _lens(999)
+    ids = ParallelIds([[4] * (s - 1) for s in src], [[5] * (t - 1) for t in tgt])
+    plan = epoch_plan(ids, 400, 1, 0)
+    for world in (2, 3):
+        for rank in range(world):
+            got = [b.n_src_tokens for b in epoch_batches(ids, 400, 1, 0, rank=rank, world_size=world)]
+            want = [int(ids.src_lens[plan[k * world + rank]].sum()) for k in range(len(plan) // world)]
+            assert got == want
+
+
+def test_padding_fraction_counts_each_sides_own_padding() -> None:
+    from mtx.data import padding_fraction
+
+    ids = ParallelIds([[4] * 9, [4] * 1], [[5] * 1, [5] * 3])  # lengths with EOS: src 10, 2; tgt 2, 4
+    # real 10 + 2 + 2 + 4 = 18 of padded 2 * (10 + 4) = 28
+    assert padding_fraction(ids, [np.array([0, 1])]) == pytest.approx(1 - 18 / 28)
+
+
+def test_a_batch_may_hold_exactly_batch_tokens() -> None:
+    src = np.full(8, 10)
+    assert [len(b) for b in plan_batches(src, src, 40)] == [4, 4]

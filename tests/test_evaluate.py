@@ -232,3 +232,78 @@ def test_a_resampling_seed_that_sacrebleu_misreads_is_refused_before_decoding(
         assert resampling_seed_problem() is None
     monkeypatch.delenv("SACREBLEU_SEED")
     assert resampling_seed_problem() is None
+
+
+# -- stop 69's second mutation probe: behaviour no test pinned ------------------------------------
+
+
+def test_each_scores_interval_is_sacrebleus_own_for_that_metric(refs: list[str]) -> None:
+    """The printed 95% intervals are sacreBLEU's, each metric's own (BLEU's and chrF's differ:
+    a mix-up still satisfies 0 < ci < 10 and |mean - score| < ci)."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    from mtx.evaluate import corpus_scores
+
+    hyps = drop_words(refs, 0.3, 0)
+    got = corpus_scores(hyps, refs, bootstrap=200)
+    b = BLEU(tokenize="13a").corpus_score(hyps, [refs], n_bootstrap=200)
+    c = CHRF().corpus_score(hyps, [refs], n_bootstrap=200)
+    assert abs(b._ci - c._ci) > 0.05  # the two intervals can be told apart
+    assert (got.bleu_mean, got.bleu_ci, got.chrf_mean, got.chrf_ci) == pytest.approx((b._mean, b._ci, c._mean, c._ci))
+
+
+def test_each_paired_p_value_is_sacrebleus_own_for_that_metric(refs: list[str]) -> None:
+    """The paired test's p-values are sacreBLEU's paired bootstrap of each metric: where BLEU's
+    difference is not significant and chrF's is, they differ."""
+    from sacrebleu.metrics import BLEU, CHRF
+    from sacrebleu.significance import PairedTest
+
+    from mtx.evaluate import paired_tests
+
+    good = drop_words(refs, 0.1, 1)
+    # the other system: the same words, some misspelt by one letter (chrF sees the letters right)
+    rng = random.Random(5)
+    other = [" ".join(w[:-1] + "x" if len(w) > 5 and rng.random() < 0.01 else w for w in line.split()) for line in good]
+    (result,) = paired_tests(good, [("other", other)], refs, 300)
+    test = PairedTest(
+        [("other", other), ("this", good)],
+        {"BLEU": BLEU(tokenize="13a"), "chrF": CHRF()},
+        [refs],
+        test_type="bs",
+        n_samples=300,
+    )
+    _, scores = test()
+    (b_other, b_this), (c_other, c_this) = scores["BLEU"], scores["chrF2"]
+    assert result.bleu_p == pytest.approx(b_this.p_value) and result.chrf_p == pytest.approx(c_this.p_value)
+    assert result.bleu_delta == pytest.approx(b_this.score - b_other.score)
+    assert result.chrf_delta == pytest.approx(c_this.score - c_other.score)
+    assert result.bleu_p != result.chrf_p  # the test tells them apart
+    # --json prints them to 4 places (0.0066 is not 0.01), the scores to 2
+    printed = result.as_dict()
+    assert printed["bleu_p"] == round(result.bleu_p, 4) and printed["chrf_p"] == round(result.chrf_p, 4)
+
+
+def test_a_paired_test_where_only_chrf_can_tell_the_systems_apart(refs: list[str]) -> None:
+    """Two outputs that differ only in words no reference holds give BLEU the same statistics
+    sentence by sentence (p = 1, no difference) but not chrF, whose test is sacreBLEU's own."""
+    from sacrebleu.metrics import BLEU, CHRF
+    from sacrebleu.significance import PairedTest
+
+    from mtx.evaluate import paired_tests
+
+    base = drop_words(refs, 0.1, 1)
+    this = [line + " qqqqq" for line in base]
+    other = [line + (" dogsx" if i % 3 == 0 else " qqqqq") for i, line in enumerate(base)]
+    (result,) = paired_tests(this, [("other", other)], refs, 300)
+    assert (result.bleu_delta, result.bleu_p) == (0.0, 1.0)
+    test = PairedTest(
+        [("other", other), ("this", this)],
+        {"BLEU": BLEU(tokenize="13a"), "chrF": CHRF()},
+        [refs],
+        test_type="bs",
+        n_samples=300,
+    )
+    _, scores = test()
+    c_other, c_this = scores["chrF2"]
+    assert result.chrf_delta == pytest.approx(c_this.score - c_other.score) and result.chrf_delta != 0
+    assert result.chrf_p == pytest.approx(c_this.p_value) and result.chrf_p < 1

@@ -206,3 +206,48 @@ def test_a_line_too_long_for_a_sentence_is_left_out_of_bpe_training(caplog: pyte
         tok = train_bpe([*lines, "Fahrrad" * 3_000], cfg, "de")
     assert tok.tokenizer.get_vocab() == train_bpe(lines, cfg).tokenizer.get_vocab()
     assert "1 training line(s) of de longer than 20000 characters left out of BPE training" in caplog.text
+
+
+# -- stop 69's second mutation probe: behaviour no test pinned ------------------------------------
+
+
+def test_a_vocabularys_fingerprint_is_the_one_earlier_mtx_saved() -> None:
+    """Checkpoints store the tokenizers' fingerprint and every load compares it: a change to
+    how it is computed makes every earlier run's checkpoints "not from this run". Pinned here on a
+    hand-made vocabulary (no BPE training, so no library version enters it)."""
+    from tokenizers import Tokenizer, models
+
+    from mtx.tokenizer import BPE, SPECIAL_TOKENS
+
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, "a", "b", "ab", "Ġc", "z"])}
+    tok = BPE(Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")], unk_token="<unk>")))
+    assert tok.fingerprint() == PINNED_FINGERPRINT
+
+
+PINNED_FINGERPRINT = "47cd9268333313ae"  # computed by the stop-69 snapshot
+
+
+def test_a_joint_vocabulary_is_trained_on_both_sides_and_separate_ones_on_their_own(tmp_path: Path) -> None:
+    from mtx.config import TokenizerConfig
+    from mtx.tokenizer import train_or_load
+
+    src = ["der Hund und die Katze spielen im Garten"] * 50
+    tgt = ["the dog and the cat are playing in the garden"] * 50
+    cfg = TokenizerConfig(vocab_size=400, joint=True)
+    joint, _ = train_or_load(tmp_path / "j", cfg, "de", "en", src, tgt)
+    assert "Ġgarden" in joint.tokenizer.get_vocab() and "ĠGarten" in joint.tokenizer.get_vocab()
+    (tmp_path / "s").mkdir()
+    sep = TokenizerConfig(vocab_size=400, joint=False)
+    de, en = train_or_load(tmp_path / "s", sep, "de", "en", src, tgt)
+    assert "ĠGarten" in de.tokenizer.get_vocab() and "Ġgarden" not in de.tokenizer.get_vocab()
+    from mtx.tokenizer import BPE
+
+    assert "Ġgarden" in BPE.load(tmp_path / "s" / "tokenizer.en.json").tokenizer.get_vocab()
+
+
+def test_encode_batch_reads_a_line_as_mtx_reads_it() -> None:
+    from mtx.config import TokenizerConfig
+    from mtx.tokenizer import train_bpe
+
+    tok = train_bpe(["eine Gruppe von Männern"] * 20, TokenizerConfig(vocab_size=300))
+    assert tok.encode_batch(["\ufeffeine Gruppe\u200b  "]) == tok.encode_batch(["eine Gruppe"])

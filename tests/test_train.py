@@ -11,13 +11,14 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mtx import train as train_module
 from mtx.cli import main
-from mtx.config import Config, ModelConfig, TrainConfig
+from mtx.config import Config, ModelConfig, TrainConfig, load_config
 from mtx.data import Batch
 from mtx.errors import MtxError
 from mtx.model import Dropout, FeedForward, Seq2Seq, dropout
@@ -989,3 +990,85 @@ def test_a_resume_without_last_pt_suggests_best_pt_else_the_newest_step(tmp_path
     assert suggested() == str(run / "checkpoints" / "step_100.pt")
     (run / "checkpoints" / "best.pt").write_bytes(b"")
     assert suggested() == str(run / "checkpoints" / "best.pt")
+
+
+# -- stop 69's second mutation probe: behaviour no test pinned ------------------------------------
+
+
+def _trainer(tmp_path: Path, mini_data: Path, *sets: str) -> train_module.Trainer:
+    run = tmp_path / "run"
+    common = ["train.max_steps=1", "train.eval_sentences=5", "train.device=cpu", "train.amp=fp32", "model.dropout=0.0"]
+    args = tiny_args(mini_data, run, *[a for s in (*common, *sets) for a in ("--set", s)])
+    assert main(args) == 0
+    return train_module.Trainer(load_config(run / "config.yaml"), run, resume=True)
+
+
+def _update_of(trainer: train_module.Trainer, group: list) -> tuple[list[torch.Tensor], float, int]:
+    """The gradient (after clipping) an update of `group` applies, and train_step's loss and tokens."""
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    seen: list[list[torch.Tensor]] = []
+    handle = trainer.optimizer.register_step_pre_hook(
+        lambda opt, a, k: seen.append([p.grad.detach().clone() for g in opt.param_groups for p in g["params"]])
+    )
+    try:
+        loss, tokens, applied = trainer.train_step(group)
+    finally:
+        handle.remove()
+        trainer.model.load_state_dict(weights)  # the next call starts from the same weights
+    assert applied
+    return seen[0], loss, tokens
+
+
+def test_accumulated_micro_batches_give_the_gradient_of_their_union(tmp_path: Path, mini_data: Path) -> None:
+    """train.accum_steps: an update of micro-batches of different target lengths has the gradient
+    (and per-token loss) of one batch of all their sentences, every target token weighted alike;
+    normalising each micro-batch by its own tokens weights a short batch's tokens more."""
+    trainer = _trainer(tmp_path, mini_data, "train.clip_norm=0")
+    ids = trainer.train_ids
+    order = np.argsort(ids.tgt_lens)
+    short, long = list(order[:3]), list(order[-12:])  # few short targets, many long ones
+    whole_grad, whole_loss, whole_tokens = _update_of(trainer, [ids.batch(short + long)])
+    parts_grad, parts_loss, parts_tokens = _update_of(trainer, [ids.batch(short), ids.batch(long)])
+    assert parts_tokens == whole_tokens == int(ids.tgt_lens[short + long].sum())
+    assert parts_loss == pytest.approx(whole_loss, rel=1e-5)
+    for a, b in zip(whole_grad, parts_grad, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_validation_loss_is_plain_cross_entropy_per_target_token(tmp_path: Path, mini_data: Path) -> None:
+    """README: a valid record's val_loss is plain (unsmoothed) cross-entropy per target token."""
+    trainer = _trainer(tmp_path, mini_data, "train.label_smoothing=0.3")
+    result = trainer.validate()
+    model = trainer.model.eval()
+    nll, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in trainer.valid_loss_rows:
+            batch = trainer.valid_ids.batch([i])
+            logits = model(batch.src, batch.tgt_in)  # (1, T, V)
+            nll += torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), model.output_columns(batch.tgt_out).flatten(), reduction="sum"
+            ).item()
+            tokens += batch.n_tgt_tokens
+    assert result is not None and result["val_loss"] == pytest.approx(nll / tokens, rel=1e-4)
+
+
+@pytest.mark.parametrize("src_p, tgt_p", [(0.5, 0.0), (0.0, 0.5)])
+def test_word_dropout_hits_its_own_side_and_never_the_targets_the_loss_scores(
+    tmp_path: Path, mini_data: Path, src_p: float, tgt_p: float
+) -> None:
+    """train.word_dropout replaces source pieces by UNK, train.tgt_word_dropout the decoder's
+    input pieces; the target pieces the loss scores (tgt_out) are never replaced."""
+    from mtx.tokenizer import UNK
+
+    trainer = _trainer(tmp_path, mini_data, f"train.word_dropout={src_p}", f"train.tgt_word_dropout={tgt_p}")
+    seen = []
+    real = trainer.loss_module.forward
+    trainer.loss_module.forward = lambda batch: (seen.append(batch), real(batch))[1]
+    ids = trainer.train_ids
+    batch = ids.batch(list(range(40)))
+    trainer.train_step([batch])
+    (used,) = seen
+    src_unk, tgt_unk = (used.src == UNK).float().mean().item(), (used.tgt_in == UNK).float().mean().item()
+    assert (src_unk > 0.2) == (src_p > 0) and (tgt_unk > 0.2) == (tgt_p > 0)
+    assert (src_unk == 0) == (src_p == 0) and (tgt_unk == 0) == (tgt_p == 0)
+    assert torch.equal(used.tgt_out, batch.tgt_out)
