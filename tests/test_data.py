@@ -654,3 +654,43 @@ def test_padding_fraction_counts_each_sides_own_padding() -> None:
 def test_a_batch_may_hold_exactly_batch_tokens() -> None:
     src = np.full(8, 10)
     assert [len(b) for b in plan_batches(src, src, 40)] == [4, 4]
+
+
+# -- stop 69's third mutation probe: the training loop's untested behaviour ------------------------
+
+
+class _WordTok:
+    """A stand-in tokenizer: one piece per word (id 10 + the word's length), what encode_batch needs."""
+
+    def __init__(self, extra: int = 0) -> None:
+        self.extra = extra  # pieces added to every line (a BPE-dropout segmentation's longer pieces)
+
+    def encode_batch(self, texts, cut: int = 0):  # noqa: ANN001, ANN201
+        return [[10 + len(w) for w in t.split()] + [11] * self.extra for t in texts]
+
+
+def test_max_len_keeps_pairs_of_exactly_max_len_and_drops_a_pair_long_on_either_side() -> None:
+    """data.max_len: "drop pairs longer than max_len tokens on either side" (ParallelIds.encode):
+    a side of exactly max_len pieces is kept, a target longer than max_len drops its pair."""
+    from mtx.data import ParallelIds
+
+    src = ["a b c", "a b", "a", "a b c d"]
+    tgt = ["x y", "x y z w", "x y z", "x"]
+    ids = ParallelIds.encode(src, tgt, _WordTok(), _WordTok(), max_len=3)
+    assert ids.rows == [0, 2]
+    assert [len(s) for s in ids.src_ids] == [3, 1] and [len(t) for t in ids.tgt_ids] == [2, 3]
+
+
+def test_a_bpe_dropout_segmentation_longer_than_max_len_on_the_target_side_keeps_the_old_pieces() -> None:
+    """ParallelIds.resegmented: a pair whose new pieces exceed max_len on either side keeps its pieces."""
+    from mtx.data import ParallelIds
+
+    src, tgt = ["a b", "a b"], ["x y", "x"]
+    old = ParallelIds.encode(src, tgt, _WordTok(), _WordTok(), max_len=3)
+    new = old.resegmented(src, tgt, _WordTok(), _WordTok(extra=1), max_len=3)
+    # one piece more on each target: 3 and 2 pieces, within max_len, taken
+    assert [len(t) for t in new.tgt_ids] == [3, 2]
+    longer = old.resegmented(src, tgt, _WordTok(), _WordTok(extra=2), max_len=3)
+    # pair 0's target would be 4 pieces: the pair keeps its old pieces; pair 1's is 3: new
+    assert [len(t) for t in longer.tgt_ids] == [2, 3]
+    assert longer.tgt_ids[0] == old.tgt_ids[0]

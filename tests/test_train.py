@@ -1072,3 +1072,98 @@ def test_word_dropout_hits_its_own_side_and_never_the_targets_the_loss_scores(
     assert (src_unk > 0.2) == (src_p > 0) and (tgt_unk > 0.2) == (tgt_p > 0)
     assert (src_unk == 0) == (src_p == 0) and (tgt_unk == 0) == (tgt_p == 0)
     assert torch.equal(used.tgt_out, batch.tgt_out)
+
+
+# -- stop 69's third mutation probe: the training loop's untested behaviour ------------------------
+
+
+def test_each_update_trains_at_the_dropout_its_step_is_documented_to_have(tmp_path: Path, mini_data: Path) -> None:
+    """train.dropout_warmup: update 1 runs at train.dropout_start and update dropout_warmup at
+    model.dropout (dropout_rate's docstring), so update k's forward passes see dropout_rate(k)."""
+    trainer = _trainer(tmp_path, mini_data, "model.dropout=0.3", "train.dropout_warmup=4", "train.dropout_start=0.0")
+    drops = [m for m in trainer.model.modules() if isinstance(m, Dropout) and not m.fixed]
+    assert drops
+    seen: list[float] = []
+    real = trainer.loss_module.forward
+    trainer.loss_module.forward = lambda batch: (seen.append(drops[0].p), real(batch))[1]
+    batch = trainer.train_ids.batch(list(range(8)))
+    trainer.state.step = 0  # from the first update
+    for _ in range(5):
+        trainer.train_step([batch])
+        trainer.state.step += 1  # as the loop counts an applied update
+    assert seen == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.3], abs=1e-4)
+
+
+def test_a_finite_loss_with_a_non_finite_gradient_is_skipped_and_leaves_weights_and_average(
+    tmp_path: Path, mini_data: Path
+) -> None:
+    """A step whose loss is finite but whose gradient is not (an overflow in the backward pass) is
+    a non-finite step: not applied (the weights stay as they were, finite), and the moving
+    average (train.ema: "after every applied update") neither moves nor counts it."""
+    trainer = _trainer(tmp_path, mini_data, "train.ema=0.9")
+    assert trainer.ema is not None
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    updates, averages = trainer.ema.updates, [a.clone() for a in trainer.ema.averages]
+    param = next(p for p in trainer.model.parameters() if p.dim() >= 2)
+    handle = param.register_hook(lambda g: torch.full_like(g, float("inf")))
+    try:
+        loss, tokens, applied = trainer.train_step([trainer.train_ids.batch(list(range(8)))])
+    finally:
+        handle.remove()
+    assert torch.isfinite(torch.tensor(loss)) and tokens > 0
+    assert not applied
+    state = trainer.model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in weights.items())
+    assert trainer.ema.updates == updates
+    assert all(torch.equal(a, b) for a, b in zip(trainer.ema.averages, averages, strict=True))
+
+
+def test_train_logs_step_of_end_counts_the_epochs_leftover_update(tmp_path: Path, mini_data: Path) -> None:
+    """train.max_epochs with train.accum_steps: an epoch's leftover micro-batches make one more
+    update, and the "step k/END" of train.log (and the progress bar's total) counts it: in the
+    last epoch END is the step the run ends at."""
+    import math
+    import re
+
+    from mtx.data import epoch_length
+
+    run = tmp_path / "run"
+    sets = ["train.accum_steps=4", "train.max_epochs=2", "train.eval_every=1000", "train.max_steps=100000"]
+    sets += ["train.eval_sentences=5", "train.log_every=1", "train.device=cpu"]
+    assert main(tiny_args(mini_data, run, *[a for s in sets for a in ("--set", s)])) == 0
+    trainer = train_module.Trainer(load_config(run / "config.yaml"), run, resume=True)
+    tc = trainer.cfg.train
+    batches = [epoch_length(trainer.train_ids, tc.batch_tokens, tc.seed, epoch) for epoch in (0, 1)]
+    assert batches[1] % 4, batches  # the last epoch has leftovers (else this test tells nothing)
+    final = sum(math.ceil(b / 4) for b in batches)
+    lines = re.findall(r"step (\d+)/(\d+): loss", (run / "train.log").read_text())
+    assert int(lines[-1][0]) == final
+    last_epoch = [int(end) for step, end in lines if int(step) > math.ceil(batches[0] / 4)]
+    assert last_epoch and set(last_epoch) == {final}
+
+
+def test_patience_takes_a_tie_for_no_gain_stops_after_exactly_patience_evaluations_and_stays_stopped(
+    tmp_path: Path, mini_data: Path
+) -> None:
+    """train.patience=2: "no val BLEU gain in 2 evaluations" - an evaluation that only equals the
+    best so far is no gain, the run stops at the 2nd evaluation without a gain, and a resume of
+    the stopped run trains nothing (it already reached train.patience)."""
+    import json
+    from dataclasses import replace
+
+    run = tmp_path / "run"
+    _trainer(tmp_path, mini_data, "train.eval_every=1", "train.patience=2", "train.lr=1e-12")
+    cfg = load_config(run / "config.yaml")
+    cfg = replace(cfg, train=replace(cfg.train, max_steps=20))
+    trainer = train_module.Trainer(cfg, run, resume=True)
+    bleus = iter([60.0, 60.0, 59.0, 60.0, 61.0, 62.0, 63.0] + [64.0 + i for i in range(20)])
+    trainer.validate = lambda: {"val_loss": 1.0, "val_bleu": next(bleus), "val_chrf": 1.0}  # type: ignore[method-assign]
+    trainer.fit()
+    valid = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    valid = [(e["step"], e["val_bleu"]) for e in valid if e["event"] == "valid"]
+    # step 1's real validation, then 60 (a gain), 60 (a tie: no gain), 59 (no gain): stopped at step 4
+    assert [s for s, _ in valid] == [1, 2, 3, 4] and [b for _, b in valid[1:]] == [60.0, 60.0, 59.0]
+    assert trainer.state.step == 4 and trainer.state.evals_without_gain == 2
+    again = train_module.Trainer(cfg, run, resume=True)
+    again.fit()
+    assert again.state.step == 4
