@@ -252,12 +252,20 @@ def test_each_scores_interval_is_sacrebleus_own_for_that_metric(refs: list[str])
     assert (got.bleu_mean, got.bleu_ci, got.chrf_mean, got.chrf_ci) == pytest.approx((b._mean, b._ci, c._mean, c._ci))
 
 
-def test_each_paired_p_value_is_sacrebleus_own_for_that_metric(refs: list[str]) -> None:
-    """The paired test's p-values are sacreBLEU's paired bootstrap of each metric: where BLEU's
-    difference is not significant and chrF's is, they differ."""
+def _sacrebleus_paired_test(this: list[str], other: list[str], refs: list[str]) -> dict:
+    """sacreBLEU's own paired bootstrap test (300 resamples) of `this` against `other`, by metric."""
     from sacrebleu.metrics import BLEU, CHRF
     from sacrebleu.significance import PairedTest
 
+    test = PairedTest(
+        [("other", other), ("this", this)], {"BLEU": BLEU(tokenize="13a"), "chrF": CHRF()}, [refs], "bs", 300
+    )
+    return test()[1]
+
+
+def test_each_paired_p_value_is_sacrebleus_own_for_that_metric(refs: list[str]) -> None:
+    """The paired test's p-values are sacreBLEU's paired bootstrap of each metric: where BLEU's
+    difference is not significant and chrF's is, they differ."""
     from mtx.evaluate import paired_tests
 
     good = drop_words(refs, 0.1, 1)
@@ -265,14 +273,7 @@ def test_each_paired_p_value_is_sacrebleus_own_for_that_metric(refs: list[str]) 
     rng = random.Random(5)
     other = [" ".join(w[:-1] + "x" if len(w) > 5 and rng.random() < 0.01 else w for w in line.split()) for line in good]
     (result,) = paired_tests(good, [("other", other)], refs, 300)
-    test = PairedTest(
-        [("other", other), ("this", good)],
-        {"BLEU": BLEU(tokenize="13a"), "chrF": CHRF()},
-        [refs],
-        test_type="bs",
-        n_samples=300,
-    )
-    _, scores = test()
+    scores = _sacrebleus_paired_test(good, other, refs)
     (b_other, b_this), (c_other, c_this) = scores["BLEU"], scores["chrF2"]
     assert result.bleu_p == pytest.approx(b_this.p_value) and result.chrf_p == pytest.approx(c_this.p_value)
     assert result.bleu_delta == pytest.approx(b_this.score - b_other.score)
@@ -286,9 +287,6 @@ def test_each_paired_p_value_is_sacrebleus_own_for_that_metric(refs: list[str]) 
 def test_a_paired_test_where_only_chrf_can_tell_the_systems_apart(refs: list[str]) -> None:
     """Two outputs that differ only in words no reference holds give BLEU the same statistics
     sentence by sentence (p = 1, no difference) but not chrF, whose test is sacreBLEU's own."""
-    from sacrebleu.metrics import BLEU, CHRF
-    from sacrebleu.significance import PairedTest
-
     from mtx.evaluate import paired_tests
 
     base = drop_words(refs, 0.1, 1)
@@ -296,14 +294,6 @@ def test_a_paired_test_where_only_chrf_can_tell_the_systems_apart(refs: list[str
     other = [line + (" dogsx" if i % 3 == 0 else " qqqqq") for i, line in enumerate(base)]
     (result,) = paired_tests(this, [("other", other)], refs, 300)
     assert (result.bleu_delta, result.bleu_p) == (0.0, 1.0)
-    test = PairedTest(
-        [("other", other), ("this", this)],
-        {"BLEU": BLEU(tokenize="13a"), "chrF": CHRF()},
-        [refs],
-        test_type="bs",
-        n_samples=300,
-    )
-    _, scores = test()
-    c_other, c_this = scores["chrF2"]
+    c_other, c_this = _sacrebleus_paired_test(this, other, refs)["chrF2"]
     assert result.chrf_delta == pytest.approx(c_this.score - c_other.score) and result.chrf_delta != 0
     assert result.chrf_p == pytest.approx(c_this.p_value) and result.chrf_p < 1
