@@ -251,3 +251,13 @@ def test_encode_batch_reads_a_line_as_mtx_reads_it() -> None:
 
     tok = train_bpe(["eine Gruppe von Männern"] * 20, TokenizerConfig(vocab_size=300))
     assert tok.encode_batch(["\ufeffeine Gruppe\u200b  "]) == tok.encode_batch(["eine Gruppe"])
+
+
+def test_min_frequency_leaves_out_merges_seen_fewer_times() -> None:
+    """tokenizer.min_frequency reaches BPE training (stop 69's mutation probe: fixed at 2, it passed
+    every test): a pair seen twice is merged at 2, not at 3."""
+    texts = ["ab"] * 2 + ["cd"] * 5
+    config = {n: TokenizerConfig(vocab_size=300, min_frequency=n) for n in (2, 3)}
+    vocabs = {n: train_bpe(texts, cfg).tokenizer.get_vocab() for n, cfg in config.items()}
+    assert "Ġab" in vocabs[2] and "Ġab" not in vocabs[3]
+    assert "Ġcd" in vocabs[2] and "Ġcd" in vocabs[3]
