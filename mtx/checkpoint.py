@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from mtx.config import CONFIG_FILE, Config, ModelConfig, load_run_config
-from mtx.errors import CheckpointError, command_line, not_found, own_command, process_limit, shown
+from mtx.errors import CheckpointError, MtxError, command_line, not_found, own_command, process_limit, shown
 from mtx.tokenizer import BPE, load_run_tokenizers
 
 if TYPE_CHECKING:  # torch where checkpoints are read or written: `plot` uses the file helpers (stop 69)
@@ -703,10 +703,11 @@ def average_checkpoints(
 
 def _validated(run_dir: Path) -> bool:
     """Whether the run's metrics.jsonl records a validation (one that cannot be read: no)."""
+    from mtx.plot import read_metrics
+
     try:
-        with open(run_dir / "metrics.jsonl", encoding="utf-8", errors="replace") as f:
-            return any('"event": "valid"' in line for line in f)
-    except OSError:
+        return any(event.get("event") == "valid" for event in read_metrics(run_dir))
+    except (MtxError, OSError):
         return False
 
 
