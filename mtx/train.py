@@ -858,34 +858,88 @@ class Trainer:
         seed_everything(tc.seed)
         self.device = rank_device(tc.device, ranks)
         self._check_same_config()
-        self.amp = amp_dtype(self.device, tc.amp)
+        self.amp = self._agreed_amp()
         self.amp_resumed = False  # train.amp auto's choice on CPU taken from last.pt (`_keep_cpu_precision`)
-        if tc.amp == "auto" and self.device.type == "cpu" and ranks.world_size > 1:
-            # each rank timed bf16 on its own (`cpu_bf16_speedup`): rank 0's choice holds for all
-            self.amp = torch.bfloat16 if self._from_main(self.amp is not None) else None
-        elif tc.amp == "auto" and ranks.world_size > 1:
-            # each GPU's own: bf16 where it computes it natively, else fp16 with the loss scaler; the
-            # job takes the one every rank has (stop 68's probe, simulated: bf16 and fp16 ranks averaged
-            # scaled and unscaled gradients, and the replicas drifted apart from the first update)
-            kinds = [None, torch.float16, torch.bfloat16]
-            t = torch.tensor([kinds.index(self.amp)], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            self.amp = kinds[int(t.item())]
 
         data_dir = resolve_data_dir(cfg.data)
         if corpus is None:
             corpus = load_corpus(data_dir, cfg.data, [cfg.data.train_split, cfg.data.valid_split])
         train_src, train_tgt = texts(corpus[cfg.data.train_split])
         valid_src, valid_tgt = texts(corpus[cfg.data.valid_split])
-        if ranks.is_main and not resume:
-            self.src_tok, self.tgt_tok = train_or_load(
-                run_dir, cfg.tokenizer, cfg.data.src_lang, cfg.data.tgt_lang, train_src, train_tgt
+        self.src_tok, self.tgt_tok = self._run_tokenizers(train_src, train_tgt)
+        self._encode_training_pairs(data_dir, train_src, train_tgt, extra_texts)  # train_ids, extra_ids, data_digest
+        self._check_same_data(data_dir, data_digest([self.data_digest], valid_src, valid_tgt))
+        # (epoch, its BPE-dropout segmentation of train's pairs, of the extra-source pairs and of the
+        # model's translations, the last two None where the epoch has none: `_segmented_ids`)
+        self.epoch_ids: tuple[int, ParallelIds, ParallelIds | None, ParallelIds | None] | None = None
+        self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
+        self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
+        self.setup_seconds = 0.0  # of epochs' setup since the fit loop last took it (`_micro_batches`)
+        self.updating = False  # inside a step's optimizer update (`train_step`): the weights are half-new
+        self.scale_overflow = False  # the last step's update skipped by fp16's loss scaler (`train_step`)
+        self.clock = PauseClock()  # the training loop's time (`fit` runs it)
+        # the directory itself, wherever it is moved (rank 0 writes; another machine's ranks may not see it)
+        self.run_dir_id = (os.stat(run_dir).st_dev, os.stat(run_dir).st_ino) if ranks.is_main else (-1, -1)
+        if ranks.is_main:
+            self._warn_of_splits()
+        self._encode_val_pairs(data_dir, valid_src, valid_tgt)  # valid_refs, val_digest, valid_ids, valid_loss_rows
+
+        self.model = self._build_model()
+        self.vocab = ckpt_io.vocab_fingerprint(self.src_tok, self.tgt_tok)
+        if tc.init_from and not resume:  # before the optimizer and the moving average see the weights
+            self._init_weights(init_source(cfg)[1])
+        self.optimizer = make_optimizer(self.model, tc, self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == torch.float16)
+        loss_fn = training_loss(tc.compile, tc.rdrop)
+        self.loss_module: torch.nn.Module = TokenLoss(self.model, loss_fn, tc.label_smoothing)
+        if ranks.world_size > 1:  # DDP copies rank 0's initial weights to every rank
+            self.loss_module = DistributedDataParallel(
+                self.loss_module, device_ids=[self.device.index] if self.device.type == "cuda" else None
             )
+        self.state = TrainState(world_size=ranks.world_size)
+        # only rank 0 writes checkpoints, so only rank 0 keeps the average (every rank has the same weights)
+        self.ema = MovingAverage(self.model, tc.ema) if tc.ema and ranks.is_main else None
+        if resume:
+            self._restore(last)
+        elif ranks.rank:
+            torch.manual_seed(rank_seed(tc.seed, ranks.rank, 0))  # each rank its own dropout masks
+
+    def _agreed_amp(self) -> torch.dtype | None:
+        """train.amp's dtype on this device; under DDP, the one that every rank takes."""
+        tc, ranks = self.cfg.train, self.ranks
+        amp = amp_dtype(self.device, tc.amp)
+        if tc.amp == "auto" and self.device.type == "cpu" and ranks.world_size > 1:
+            # each rank timed bf16 on its own (`cpu_bf16_speedup`): rank 0's choice holds for all
+            amp = torch.bfloat16 if self._from_main(amp is not None) else None
+        elif tc.amp == "auto" and ranks.world_size > 1:
+            # each GPU's own: bf16 where it computes it natively, else fp16 with the loss scaler; the
+            # job takes the one every rank has (stop 68's probe, simulated: bf16 and fp16 ranks averaged
+            # scaled and unscaled gradients, and the replicas drifted apart from the first update)
+            kinds = [None, torch.float16, torch.bfloat16]
+            t = torch.tensor([kinds.index(amp)], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            amp = kinds[int(t.item())]
+        return amp
+
+    def _run_tokenizers(self, train_src: list[str], train_tgt: list[str]) -> tuple[BPE, BPE]:
+        """The run's (src, tgt) tokenizers: a new run's trained (or loaded) by rank 0, then loaded by the rest."""
+        cfg, run_dir, ranks = self.cfg, self.run_dir, self.ranks
+        if ranks.is_main and not self.resumed:
+            toks = train_or_load(run_dir, cfg.tokenizer, cfg.data.src_lang, cfg.data.tgt_lang, train_src, train_tgt)
         self._barrier()  # rank 0 has trained and saved a new run's tokenizer before the others load it
-        if resume or not ranks.is_main:  # a run that has weights never retrains its tokenizer
-            self.src_tok, self.tgt_tok = load_run_tokenizers(
-                run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang
-            )
+        if self.resumed or not ranks.is_main:  # a run that has weights never retrains its tokenizer
+            toks = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
+        return toks
+
+    def _encode_training_pairs(
+        self,
+        data_dir: Path,
+        train_src: list[str],
+        train_tgt: list[str],
+        extra_texts: tuple[list[str], list[str]] | None,
+    ) -> None:
+        """Sets train_ids, extra_ids, the texts of their pairs and data_digest; refuses too little to train on."""
+        cfg, tc, ranks = self.cfg, self.cfg.train, self.ranks
         self.train_ids = ParallelIds.encode(train_src, train_tgt, self.src_tok, self.tgt_tok, cfg.data.max_len)
         rows = self.train_ids.rows  # the texts of the pairs kept, for BPE-dropout's segmentations
         self.train_texts = ([train_src[i] for i in rows], [train_tgt[i] for i in rows])
@@ -905,33 +959,28 @@ class Trainer:
         self.extra_texts = ([extra_texts[0][i] for i in kept], [extra_texts[1][i] for i in kept])
         # what the epochs' plans are made of: a resume mid-epoch on other data starts the next epoch
         self.data_digest = data_digest(train_src, train_tgt, *extra_texts)
-        self._check_same_data(data_dir, data_digest([self.data_digest], valid_src, valid_tgt))
-        # (epoch, its BPE-dropout segmentation of train's pairs, of the extra-source pairs and of the
-        # model's translations, the last two None where the epoch has none: `_segmented_ids`)
-        self.epoch_ids: tuple[int, ParallelIds, ParallelIds | None, ParallelIds | None] | None = None
-        self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
-        self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
-        self.setup_seconds = 0.0  # of epochs' setup since the fit loop last took it (`_micro_batches`)
-        self.updating = False  # inside a step's optimizer update (`train_step`): the weights are half-new
-        self.scale_overflow = False  # the last step's update skipped by fp16's loss scaler (`train_step`)
-        self.clock = PauseClock()  # the training loop's time (`fit` runs it)
-        # the directory itself, wherever it is moved (rank 0 writes; another machine's ranks may not see it)
-        self.run_dir_id = (os.stat(run_dir).st_dev, os.stat(run_dir).st_ino) if ranks.is_main else (-1, -1)
-        if ranks.is_main:
-            warn_if_validating_on_train(cfg.data)
-        if is_test_split(cfg.data.train_split) and ranks.is_main:  # (stop 61: not a word)
+
+    def _warn_of_splits(self) -> None:
+        """Warn where the splits trained or validated on make the scores unfair (rank 0's job)."""
+        data = self.cfg.data
+        warn_if_validating_on_train(data)
+        if is_test_split(data.train_split):  # (stop 61: not a word)
             log.warning(
                 "data.train_split is a test split (%r): the model learns the sentences it would be tested on, "
                 "so no score on that split is a fair test; train on train",
-                cfg.data.train_split,
+                data.train_split,
             )
-        if is_test_split(cfg.data.valid_split) and ranks.is_main:
+        if is_test_split(data.valid_split):
             log.warning(
                 "data.valid_split is a test split (%r): best.pt and patience are then chosen on it, and its "
                 "score is no longer a fair test; validate on val",
-                cfg.data.valid_split,
+                data.valid_split,
             )
-        n_val = tc.eval_sentences or len(valid_src)
+
+    def _encode_val_pairs(self, data_dir: Path, valid_src: list[str], valid_tgt: list[str]) -> None:
+        """Sets valid_refs, val_digest, valid_ids, valid_loss_rows; refuses a val set no pair of which fits."""
+        cfg, ranks = self.cfg, self.ranks
+        n_val = cfg.train.eval_sentences or len(valid_src)
         # val BLEU and chrF score the references as sacreBLEU reads the file, as `mtx eval` does, with
         # its warning; the val loss keeps the cleaned targets the model trains on (stop 64: training
         # scored references stripped of invisible ends, a val BLEU that mtx eval did not give)
@@ -965,9 +1014,12 @@ class Trainer:
                 cfg.model.max_positions,
             )
 
+    def _build_model(self) -> Seq2Seq:
+        """The model on the device (an out-of-memory said in one line), its restricted output said."""
+        cfg = self.cfg
         output_ids = self.train_ids.target_vocabulary() if cfg.model.restrict_output else None
         try:
-            self.model = ckpt_io.build_model(cfg, self.src_tok, self.tgt_tok, output_ids).to(self.device)
+            model = ckpt_io.build_model(cfg, self.src_tok, self.tgt_tok, output_ids).to(self.device)
         except RuntimeError as e:  # torch.OutOfMemoryError is one; so is the CPU allocator's failure
             if not out_of_memory(e):
                 raise
@@ -977,35 +1029,18 @@ class Trainer:
                 f"{m.d_ff}, model.max_positions {m.max_positions}, {self.tgt_tok.vocab_size} target pieces); "
                 + memory_advice("make it smaller", self.device)
             ) from None
-        if self.model.output_ids is not None and ranks.is_main:
+        if model.output_ids is not None and self.ranks.is_main:
             val_pieces = torch.tensor([i for s in self.valid_ids.tgt_ids for i in s], dtype=torch.long)
-            outside = int((~torch.isin(val_pieces, self.model.output_ids.cpu())).sum())
+            outside = int((~torch.isin(val_pieces, model.output_ids.cpu())).sum())
             log.info(
                 "output softmax over %d of %d target pieces (model.restrict_output); val: %d of %d target "
                 "pieces lie outside it and count as UNK in the val loss",
-                len(self.model.output_ids),
+                len(model.output_ids),
                 self.tgt_tok.vocab_size,
                 outside,
                 len(val_pieces),
             )
-        self.vocab = ckpt_io.vocab_fingerprint(self.src_tok, self.tgt_tok)
-        if tc.init_from and not resume:  # before the optimizer and the moving average see the weights
-            self._init_weights(init_source(cfg)[1])
-        self.optimizer = make_optimizer(self.model, tc, self.device)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == torch.float16)
-        loss_fn = training_loss(tc.compile, tc.rdrop)
-        self.loss_module: torch.nn.Module = TokenLoss(self.model, loss_fn, tc.label_smoothing)
-        if ranks.world_size > 1:  # DDP copies rank 0's initial weights to every rank
-            self.loss_module = DistributedDataParallel(
-                self.loss_module, device_ids=[self.device.index] if self.device.type == "cuda" else None
-            )
-        self.state = TrainState(world_size=ranks.world_size)
-        # only rank 0 writes checkpoints, so only rank 0 keeps the average (every rank has the same weights)
-        self.ema = MovingAverage(self.model, tc.ema) if tc.ema and ranks.is_main else None
-        if resume:
-            self._restore(last)
-        elif ranks.rank:
-            torch.manual_seed(rank_seed(tc.seed, ranks.rank, 0))  # each rank its own dropout masks
+        return model
 
     # -- collectives (no-ops in a single process) ---------------------------------------------
     def _barrier(self) -> None:
@@ -1862,30 +1897,129 @@ class Trainer:
         """`fit`'s work, a second stop signal aside."""
         tc = self.cfg.train
         st = self.state
-        limit = None
+        limit, done = self._begin_session()
+        if done:
+            return st
+        self._log_setup(limit)
+        metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") if self.ranks.is_main else None
+        self.end_step = min(tc.max_steps, self._epochs_end_estimate() or tc.max_steps)
+        bar = self._progress_bar()
+        window_start = self.clock.now()  # of this session's part of the log window (st.window_*)
+        self._logged_step = -1  # of this session's last train record (`_log_window`)
+        last_time = self.clock.now()
+        stop_reason = f"reached train.max_steps={tc.max_steps}" if limit is None else f"reached {limit}"
+        before: tuple[int, int, dict[str, Any]] | None = None
+        try:
+            groups = self._micro_batches()
+            # a limit already reached (a stop between validations, resumed with its limit at or
+            # below what it used) trains no step: only that step's validation is left (stop 55:
+            # a used train.max_minutes trained one more step, checked after it)
+            while st.step < tc.max_steps and limit is None:
+                self._stop_if_signalled(stop, window_start)
+                group = next(groups, None)
+                window_start += self.setup_seconds  # `_micro_batches`' epoch setup left out of the window
+                self.setup_seconds = 0.0
+                if group is None:
+                    stop_reason = f"reached train.max_epochs={tc.max_epochs}"
+                    break
+                # where the step starts, for last.pt if it runs out of memory before its update: inside
+                # an epoch, whose setup (`_micro_batches`) is done and drew nothing since the last step
+                inside = self.ranks.world_size == 1 and st.batch > len(group)
+                before = (st.epoch, st.batch - len(group), _rng_state()) if inside else None
+                loss, tokens, applied = self.train_step(group)
+                before = None
+                now = self.clock.now()
+                st.elapsed += now - last_time
+                last_time = now
+                if not applied:
+                    self._skip_update()
+                    continue
+                st.bad_steps_in_row = 0
+                st.step += 1
+                st.window_tokens += tokens
+                st.window_loss += loss
+                st.window_steps += 1
+                if bar.total != self.end_step:  # (train.max_epochs: its estimate, made again each epoch)
+                    bar.total = self.end_step
+                bar.update(1)
+                if st.step % tc.log_every == 0 or st.step == tc.max_steps:
+                    seconds = st.window_seconds + self.clock.now() - window_start
+                    if self._log_window(seconds, bar, metrics, partial=st.step % tc.log_every != 0):
+                        window_start = self.clock.now()
+                at_eval = st.step % tc.eval_every == 0 or st.step == tc.max_steps
+                if at_eval:
+                    st.window_seconds += self.clock.now() - window_start  # saved with last.pt
+                    out_of_patience = self._evaluate(metrics)
+                    now = self.clock.now()
+                    st.elapsed += now - last_time  # validating and saving are the loop's time (max_minutes)
+                    window_start = now  # but not training throughput (tgt_tok_per_s)
+                    last_time = now
+                    if out_of_patience:
+                        stop_reason = f"no val BLEU gain in {tc.patience} evaluations (train.patience)"
+                        break
+                if self._out_of_time():
+                    stop_reason = f"used the time budget train.max_minutes={tc.max_minutes:g}"
+                    break
+            st.window_seconds += self.clock.now() - window_start  # a later resume's first window
+            if st.window_steps and self._logged_step != st.step:  # a stop between train records logs its last steps
+                self._log_window(st.window_seconds, bar, metrics, partial=True)
+            if st.validated_step != st.step:  # stopped between validations
+                self._evaluate(metrics)
+                st.elapsed += self.clock.now() - last_time
+        except RuntimeError as e:
+            if out_of_memory(e):
+                raise self._out_of_memory_error(e, before, window_start) from None
+            if self.ranks.world_size > 1 and _peer_lost(e):
+                raise self._peer_lost_error(e) from None
+            raise
+        finally:
+            bar.close()
+            if metrics is not None:
+                with named_os_errors(metrics.name):
+                    metrics.close()
+        with self._peer_lost_said():  # (stop 66: rank 0 failing in the last validation's files left rank 1 here)
+            self.save()
+        if stop.signal is not None:  # it came in the last step or validation: nothing was left to stop
+            log.info("%s came as the run was ending: it is complete", signal.Signals(stop.signal).name)
+        log.info(
+            "done: %s, at step %d; best val BLEU %.2f at step %d; %.0f s of training",
+            stop_reason,
+            st.step,
+            st.best_bleu,
+            st.best_step,
+            st.elapsed,
+        )
+        return st
+
+    def _begin_session(self) -> tuple[str | None, bool]:
+        """Save a new run's first last.pt or take up a resumed run: (limit reached already, nothing left to do)."""
+        st = self.state
         if not self.resumed:
             with self._peer_lost_said():  # (stop 68's probe: rank 0 failing to write it left gloo's traceback here)
                 self.save()  # from here on the run can always be resumed
-        else:
-            if self.ranks.is_main:
-                self._complete_step_files()
-            limit = self._limit_reached()
-            # nothing to train: a repeated validation would count toward patience; but a run stopped
-            # between validations, resumed with its limit lowered to where it stopped, validates that
-            # step as an ending run does (stop 54: no best.pt, and a best val BLEU of -1.0 printed)
-            if limit is not None and st.validated_step == st.step:
-                kept = (
-                    " (the --set changes were not applied: the run keeps its config.yaml)" if self.resume_notes else ""
-                )
-                log.info("done: the run already reached %s, at step %d; raise it to train on%s", limit, st.step, kept)
-                return st
-            for level, note in self.resume_notes:
-                log.log(level, note)
-            if self.ranks.is_main:  # the --set changes, recorded once they take effect (stop 55: also where
-                # nothing was left to train, which changes no file but train.log); metrics.jsonl first,
-                # whose records past last.pt's step are logged again anyway
-                self._trim_metrics()  # likewise (stop 56: it dropped the partial record of such a run)
-                ckpt_io.atomic_write_text(self.run_dir / ckpt_io.CONFIG_FILE, config_text(self.cfg))
+            return None, False
+        if self.ranks.is_main:
+            self._complete_step_files()
+        limit = self._limit_reached()
+        # nothing to train: a repeated validation would count toward patience; but a run stopped
+        # between validations, resumed with its limit lowered to where it stopped, validates that
+        # step as an ending run does (stop 54: no best.pt, and a best val BLEU of -1.0 printed)
+        if limit is not None and st.validated_step == st.step:
+            kept = " (the --set changes were not applied: the run keeps its config.yaml)" if self.resume_notes else ""
+            log.info("done: the run already reached %s, at step %d; raise it to train on%s", limit, st.step, kept)
+            return limit, True
+        for level, note in self.resume_notes:
+            log.log(level, note)
+        if self.ranks.is_main:  # the --set changes, recorded once they take effect (stop 55: also where
+            # nothing was left to train, which changes no file but train.log); metrics.jsonl first,
+            # whose records past last.pt's step are logged again anyway
+            self._trim_metrics()  # likewise (stop 56: it dropped the partial record of such a run)
+            ckpt_io.atomic_write_text(self.run_dir / ckpt_io.CONFIG_FILE, config_text(self.cfg))
+        return limit, False
+
+    def _log_setup(self, limit: str | None) -> None:
+        """Say what the session trains, and how (`limit`: one a resumed run has reached already)."""
+        tc = self.cfg.train
         pad = padding_fraction(
             self.train_ids, plan_batches(self.train_ids.src_lens, self.train_ids.tgt_lens, tc.batch_tokens)
         )
@@ -1927,14 +2061,15 @@ class Trainer:
                 self.ranks.world_size,
                 tc.accum_steps,
             )
-        main = self.ranks.is_main
-        if main and limit is None:
+        if self.ranks.is_main and limit is None:
             self._warn_of_settings()
-        metrics = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") if main else None
+
+    def _progress_bar(self) -> Any:
+        """The session's bar of steps, from the state's step to `end_step` (none on rank > 0)."""
         from mtx.cli import zero_width_terminal
 
-        self.end_step = min(tc.max_steps, self._epochs_end_estimate() or tc.max_steps)
-        bar = progress_bar(
+        tc, st = self.cfg.train, self.state
+        return progress_bar(
             (lambda: 60 * tc.max_minutes - st.elapsed) if tc.max_minutes else None,
             total=self.end_step,
             initial=st.step,
@@ -1945,146 +2080,77 @@ class Trainer:
             # carriage-return updates filled such a log, one a second); a line per log window instead,
             # as on a terminal that reports no width (stop 66: `script`'s, some containers'), where
             # tqdm drew a bar 0 characters wide and the run showed no progress at all
-            disable=None if main and not zero_width_terminal(sys.stderr) else True,
+            disable=None if self.ranks.is_main and not zero_width_terminal(sys.stderr) else True,
             file=UntilReaderGone(sys.stderr),
         )
-        window_start = self.clock.now()  # of this session's part of the log window (st.window_*)
-        self._logged_step = -1  # of this session's last train record (`_log_window`)
-        last_time = self.clock.now()
-        stop_reason = f"reached train.max_steps={tc.max_steps}" if limit is None else f"reached {limit}"
-        before: tuple[int, int, dict[str, Any]] | None = None
-        try:
-            groups = self._micro_batches()
-            # a limit already reached (a stop between validations, resumed with its limit at or
-            # below what it used) trains no step: only that step's validation is left (stop 55:
-            # a used train.max_minutes trained one more step, checked after it)
-            while st.step < tc.max_steps and limit is None:
-                signum = self._stop_signal(stop)
-                if signum is not None:
-                    st.window_seconds += self.clock.now() - window_start
-                    self.save()
-                    again = self._resume_command()
-                    raise Interrupted(
-                        f"training stopped by {signal.Signals(signum).name} at step {st.step}; "
-                        f"checkpoint saved. Resume with: {again}",
-                        signum,
-                        report=self.ranks.is_main,
-                    )
-                group = next(groups, None)
-                window_start += self.setup_seconds  # `_micro_batches`' epoch setup left out of the window
-                self.setup_seconds = 0.0
-                if group is None:
-                    stop_reason = f"reached train.max_epochs={tc.max_epochs}"
-                    break
-                # where the step starts, for last.pt if it runs out of memory before its update: inside
-                # an epoch, whose setup (`_micro_batches`) is done and drew nothing since the last step
-                inside = self.ranks.world_size == 1 and st.batch > len(group)
-                before = (st.epoch, st.batch - len(group), _rng_state()) if inside else None
-                loss, tokens, applied = self.train_step(group)
-                before = None
-                now = self.clock.now()
-                st.elapsed += now - last_time
-                last_time = now
-                if not applied:
-                    st.skipped_steps += 1
-                    if self.scale_overflow:
-                        if self.ranks.is_main:
-                            scale = self.scaler.get_scale()
-                            log.info("fp16 loss scale lowered to %g after step %d: its update skipped", scale, st.step)
-                        continue
-                    st.bad_steps_in_row += 1
-                    if self.ranks.is_main:  # (stop 66: once per rank)
-                        log.warning("non-finite loss or gradient after step %d: update skipped", st.step)
-                    if st.bad_steps_in_row >= tc.max_bad_steps:
-                        error = MtxError(
-                            f"{st.bad_steps_in_row} non-finite steps in a row after step {st.step} "
-                            f"(train.max_bad_steps); training stopped, checkpoints/last.pt from step "
-                            f"{self.saved_step} kept; lower train.lr"
-                            + (" or use train.amp=fp32" if self.amp is not None else "")
-                        )  # (stop 64: fp32 was advised to runs already in fp32)
-                        error.report = self.ranks.is_main  # every rank stops alike (stop 68's probe: once each)
-                        raise error
-                    continue
-                st.bad_steps_in_row = 0
-                st.step += 1
-                st.window_tokens += tokens
-                st.window_loss += loss
-                st.window_steps += 1
-                if bar.total != self.end_step:  # (train.max_epochs: its estimate, made again each epoch)
-                    bar.total = self.end_step
-                bar.update(1)
-                if st.step % tc.log_every == 0 or st.step == tc.max_steps:
-                    seconds = st.window_seconds + self.clock.now() - window_start
-                    if self._log_window(seconds, bar, metrics, partial=st.step % tc.log_every != 0):
-                        window_start = self.clock.now()
-                at_eval = st.step % tc.eval_every == 0 or st.step == tc.max_steps
-                if at_eval:
-                    st.window_seconds += self.clock.now() - window_start  # saved with last.pt
-                    out_of_patience = self._evaluate(metrics)
-                    now = self.clock.now()
-                    st.elapsed += now - last_time  # validating and saving are the loop's time (max_minutes)
-                    window_start = now  # but not training throughput (tgt_tok_per_s)
-                    last_time = now
-                    if out_of_patience:
-                        stop_reason = f"no val BLEU gain in {tc.patience} evaluations (train.patience)"
-                        break
-                if self._out_of_time():
-                    stop_reason = f"used the time budget train.max_minutes={tc.max_minutes:g}"
-                    break
-            st.window_seconds += self.clock.now() - window_start  # a later resume's first window
-            if st.window_steps and self._logged_step != st.step:  # a stop between train records logs its last steps
-                self._log_window(st.window_seconds, bar, metrics, partial=True)
-            if st.validated_step != st.step:  # stopped between validations
-                self._evaluate(metrics)
-                st.elapsed += self.clock.now() - last_time
-        except RuntimeError as e:
-            if out_of_memory(e):
-                # (stop 63: a batch too large for the device was a 30-line traceback, with no word
-                # on what to lower; one can come thousands of steps in, as batches differ in length)
-                after, saved = "", False
-                if before is not None and not self.updating:
-                    st.window_seconds += self.clock.now() - window_start
-                    e.__traceback__ = None  # the failed step's tensors go before last.pt is written
-                    saved = self._save_before_step(*before)
-                    if self.saved_step == st.step:  # inside epoch st.epoch: a new plan skips its rest
-                        # (stop 65: unsaid, and the position just saved was lost to it)
-                        after = (
-                            f" (a new batch size makes a new plan of batches: the run goes on from epoch "
-                            f"{st.epoch + 1}, the rest of epoch {st.epoch} not trained on)"
-                        )
-                if saved:
-                    kept = f"last.pt saved at step {st.step}"
-                elif self.saved_step is not None:
-                    kept = f"last.pt from step {self.saved_step} is kept"
-                else:
-                    kept = "no last.pt was saved yet"
-                usual = "lower train.batch_tokens (raising train.accum_steps keeps an update's tokens)"
-                raise MtxError(
-                    f"out of memory on {self.device} after step {st.step} "
-                    f"(train.batch_tokens={tc.batch_tokens}); {memory_advice(usual, self.device)}; {kept}. "
-                    f"Resume with: {self._resume_command()} --set train.batch_tokens=N{after}"
-                ) from None
-            if self.ranks.world_size > 1 and _peer_lost(e):
-                raise self._peer_lost_error(e) from None
-            raise
-        finally:
-            bar.close()
-            if metrics is not None:
-                with named_os_errors(metrics.name):
-                    metrics.close()
-        with self._peer_lost_said():  # (stop 66: rank 0 failing in the last validation's files left rank 1 here)
-            self.save()
-        if stop.signal is not None:  # it came in the last step or validation: nothing was left to stop
-            log.info("%s came as the run was ending: it is complete", signal.Signals(stop.signal).name)
-        log.info(
-            "done: %s, at step %d; best val BLEU %.2f at step %d; %.0f s of training",
-            stop_reason,
-            st.step,
-            st.best_bleu,
-            st.best_step,
-            st.elapsed,
+
+    def _stop_if_signalled(self, stop: StopRequest, window_start: float) -> None:
+        """Where any rank received a stop signal: last.pt saved, and Interrupted raised on every rank."""
+        st = self.state
+        signum = self._stop_signal(stop)
+        if signum is None:
+            return
+        st.window_seconds += self.clock.now() - window_start
+        self.save()
+        again = self._resume_command()
+        raise Interrupted(
+            f"training stopped by {signal.Signals(signum).name} at step {st.step}; "
+            f"checkpoint saved. Resume with: {again}",
+            signum,
+            report=self.ranks.is_main,
         )
-        return st
+
+    def _skip_update(self) -> None:
+        """Count a step whose update was skipped (fp16's scaler, or non-finite: train.max_bad_steps in a row stop)."""
+        st = self.state
+        st.skipped_steps += 1
+        if self.scale_overflow:
+            if self.ranks.is_main:
+                scale = self.scaler.get_scale()
+                log.info("fp16 loss scale lowered to %g after step %d: its update skipped", scale, st.step)
+            return
+        st.bad_steps_in_row += 1
+        if self.ranks.is_main:  # (stop 66: once per rank)
+            log.warning("non-finite loss or gradient after step %d: update skipped", st.step)
+        if st.bad_steps_in_row >= self.cfg.train.max_bad_steps:
+            error = MtxError(
+                f"{st.bad_steps_in_row} non-finite steps in a row after step {st.step} "
+                f"(train.max_bad_steps); training stopped, checkpoints/last.pt from step "
+                f"{self.saved_step} kept; lower train.lr" + (" or use train.amp=fp32" if self.amp is not None else "")
+            )  # (stop 64: fp32 was advised to runs already in fp32)
+            error.report = self.ranks.is_main  # every rank stops alike (stop 68's probe: once each)
+            raise error
+
+    def _out_of_memory_error(
+        self, error: RuntimeError, before: tuple[int, int, dict[str, Any]] | None, window_start: float
+    ) -> MtxError:
+        """The one-line error for a step out of memory; last.pt saved first where `before` says where it began."""
+        # (stop 63: a batch too large for the device was a 30-line traceback, with no word
+        # on what to lower; one can come thousands of steps in, as batches differ in length)
+        st, tc = self.state, self.cfg.train
+        after, saved = "", False
+        if before is not None and not self.updating:
+            st.window_seconds += self.clock.now() - window_start
+            error.__traceback__ = None  # the failed step's tensors go before last.pt is written
+            saved = self._save_before_step(*before)
+            if self.saved_step == st.step:  # inside epoch st.epoch: a new plan skips its rest
+                # (stop 65: unsaid, and the position just saved was lost to it)
+                after = (
+                    f" (a new batch size makes a new plan of batches: the run goes on from epoch "
+                    f"{st.epoch + 1}, the rest of epoch {st.epoch} not trained on)"
+                )
+        if saved:
+            kept = f"last.pt saved at step {st.step}"
+        elif self.saved_step is not None:
+            kept = f"last.pt from step {self.saved_step} is kept"
+        else:
+            kept = "no last.pt was saved yet"
+        usual = "lower train.batch_tokens (raising train.accum_steps keeps an update's tokens)"
+        return MtxError(
+            f"out of memory on {self.device} after step {st.step} "
+            f"(train.batch_tokens={tc.batch_tokens}); {memory_advice(usual, self.device)}; {kept}. "
+            f"Resume with: {self._resume_command()} --set train.batch_tokens=N{after}"
+        )
 
     def _peer_lost_error(self, error: BaseException) -> MtxError:
         """The one line for a collective that failed because another rank's process ended (stop
