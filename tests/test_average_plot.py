@@ -1031,3 +1031,162 @@ def test_an_average_refuses_members_whose_whole_number_tensors_differ(tmp_path: 
     same = {"w": torch.ones(2, 2), "output_ids": torch.tensor([4, 5, 6])}
     atomic_save({"format_version": FORMAT_VERSION, "model": same, "config": {}, "vocab": "v", "step": 3}, paths[1])
     assert torch.equal(average_checkpoints(paths)["model"]["w"], torch.full((2, 2), 0.5))
+
+
+def test_average_of_exactly_the_kept_checkpoints_adds_no_note(
+    run_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The note says --last asked for more step checkpoints than the run has; asking for as many
+    as it has is no such case (stop 70's mutant: noted at equal counts too)."""
+    kept = len(step_checkpoints(run_copy))
+    assert main(["average", "--run", str(run_copy), "--last", str(kept)]) == 0
+    out, err = capsys.readouterr()
+    assert f"averaged {kept} checkpoints" in out and "note:" not in err
+
+
+def test_plot_of_several_runs_writes_compare_png_and_standard_output_gets_the_image_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture
+) -> None:
+    """Several runs without --out: compare.png in the working directory, its path printed; with
+    `--out -` standard output holds the image and nothing after it (stop 70's mutants: the first
+    run's curves.png replaced, and the path printed after the image)."""
+    runs = [fake_run(tmp_path / name, 0.1, [3.0, 2.0]) for name in ("a", "b")]
+    monkeypatch.chdir(tmp_path)
+    assert main(["plot", "--run", str(runs[0]), "--run", str(runs[1])]) == 0
+    assert capsysbinary.readouterr().out.decode().splitlines() == ["compare.png"]
+    assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG" and not (runs[0] / "curves.png").exists()
+    assert main(["plot", "--run", str(runs[0]), "--out", "-"]) == 0
+    image = capsysbinary.readouterr().out
+    assert image[:8] == b"\x89PNG\r\n\x1a\n" and image.endswith(b"IEND\xaeB`\x82")  # the PNG's last chunk
+
+
+def test_plot_takes_an_image_suffix_in_capitals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--out curves.PNG` is a PNG, as .png is (stop 70's mutant: refused as a type matplotlib cannot write)."""
+    run = fake_run(tmp_path / "a", 0.1, [3.0, 2.0])
+    assert main(["plot", "--run", str(run), "--out", str(tmp_path / "curves.PNG")]) == 0
+    assert (tmp_path / "curves.PNG").read_bytes()[:4] == b"\x89PNG"
+    assert capsys.readouterr().out.split()[-1] == str(tmp_path / "curves.PNG")
+
+
+def test_metrics_with_true_or_false_for_a_number_are_one_line_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """JSON's true is a Python bool, an int: a hand-edited `"val_bleu": true` was drawn as 1 (stop
+    70's mutant: the bool check dropped, no test failed)."""
+    run = fake_run(tmp_path / "run", 0.1, [3.0])
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('\n{"event": "valid", "step": 200, "val_loss": 1.0, "val_bleu": true, "elapsed_s": 9}\n')
+    assert main(["plot", "--run", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "line 4: a valid event without a number 'val_bleu' (got True)" in err, err
+
+
+def test_compare_at_equal_time_takes_the_last_validation_in_the_files_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Where a metrics.jsonl's training times do not rise line by line (a validation redone after
+    a resume from an earlier checkpoint, in a file not trimmed at the resume, as before the trim or
+    joined by hand), the table takes at equal time the last validation in the file at or before
+    that time, as it says, not the one latest in time (stop 70's mutant: no test failed)."""
+    first = fake_run(tmp_path / "first", 0.3, [3.0, 2.0])  # validations at 30 s and 60 s
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    events = [
+        {"event": "valid", "step": 100, "val_loss": 3.5, "val_bleu": 5.0, "elapsed_s": 10.0},
+        {"event": "valid", "step": 200, "val_loss": 3.2, "val_bleu": 6.0, "elapsed_s": 30.0},
+        {"event": "valid", "step": 200, "val_loss": 2.9, "val_bleu": 7.0, "elapsed_s": 25.0},  # redone from 100
+    ]
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert main(["compare", "--run", str(first), "--run", str(resumed)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows[0][0] == "100" and rows[0][-4:] == ["2.900", "/", "7.00", "(200)"]  # at 30 s
+
+
+def test_choose_on_val_chooses_and_reports_by_the_scores_it_measured(
+    run_copy: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The choice and its JSON from known val BLEUs: each candidate (in the order the script scores
+    them), length penalty and beam gets a set score, so which one wins is not left to a tiny model's
+    near ties (stop 70's mutants: the worst penalty taken, the beams compared at the config's
+    penalty instead of the chosen one, the candidate's score reported for the final setting, and
+    the "not applied" line dropped, each passed the tests)."""
+    import types
+
+    import mtx.evaluate
+
+    models: list[object] = []  # candidates in the order first decoded: best single, average, ema, ensemble
+    base = [10.0, 12.0, 11.0, 11.5]
+    at_settings = {(1, 0.6, 4): 12.5, (1, 1.4, 4): 13.0, (1, 1.4, 1): 12.0, (1, 1.4, 8): 12.5}
+
+    def translate(model: object, tgt_tok: object, src_ids: list, beam: int, alpha: float, *rest: object, **kw: object):
+        if not any(m is model for m in models):
+            models.append(model)
+        i = next(i for i, m in enumerate(models) if m is model)
+        bleu = at_settings.get((i, alpha, beam), base[i] if (alpha, beam) == (1.0, 4) else 0.0)
+        return [f"{bleu}"] * len(src_ids)
+
+    def corpus_scores(text: list[str], refs: list[str]) -> types.SimpleNamespace:
+        return types.SimpleNamespace(bleu=float(text[0]))
+
+    def paired_tests(final: list[str], others: list, refs: list[str], samples: int) -> list[types.SimpleNamespace]:
+        start = float(others[0][1][0])
+        return [types.SimpleNamespace(bleu=start, bleu_delta=float(final[0]) - start, bleu_p=0.25)]
+
+    monkeypatch.setattr(mtx.search, "translate", translate)
+    monkeypatch.setattr(mtx.evaluate, "corpus_scores", corpus_scores)
+    monkeypatch.setattr(mtx.evaluate, "paired_tests", paired_tests)
+    assert load_run(run_copy).cfg.decode.beam == 4 and load_run(run_copy).cfg.decode.length_penalty == 1.0
+    script = Path(__file__).resolve().parent.parent / "scripts" / "choose_on_val.py"
+    args = ["--run", str(run_copy), "--last", "2", "--ensemble", "2", "--length-penalty", "0.6,1.4", "--beam", "1,8"]
+    code, out, err = script_in_process(script, args, monkeypatch, capsys)
+    assert code == 0, err
+    assert len(models) == 4  # the best single, the average of 2, the moving average, the ensemble of 2
+    lines = out.splitlines()
+    assert lines[1:5] == [
+        f"best single (best.pt, step {load_checkpoint(run_copy / 'checkpoints' / 'best.pt')['step']}): 10.00",
+        "average of the last 2: 12.00",
+        "moving average (ema.pt, decay 0.99): 11.00",
+        "ensemble of the last 2: 11.50",
+    ]
+    assert lines[5:10] == [
+        "average of the last 2, the best candidate, at other settings:",
+        "  length penalty 0.6: 12.50",
+        "  length penalty 1.4: 13.00",
+        "  beam 1 (length penalty 1.4): 12.00",
+        "  beam 8 (length penalty 1.4): 12.50",
+    ]
+    assert lines[10] == "chosen: average of the last 2, length penalty 1.4, beam 4: val BLEU 13.00"
+    assert lines[11] == (
+        "against the start (best single, length penalty 1, beam 4): 10.00 -> 13.00 (+3.00), paired bootstrap p = 0.2500"
+    )
+    assert lines[12] == (
+        "not applied: run again with --apply to make the average of the last 2 the run's best.pt, then decode "
+        "with --length-penalty 1.4 --beam 4"
+    )
+    result = json.loads(lines[-1])
+    assert {k: result[k] for k in ("chosen", "length_penalty", "beam", "val_bleu", "start_val_bleu")} == {
+        "chosen": "average of the last 2",
+        "length_penalty": 1.4,
+        "beam": 4,
+        "val_bleu": 13.0,
+        "start_val_bleu": 10.0,
+    }
+    assert result["gain_p_value"] == 0.25
+    assert result["averaged_from"] == [str(p) for p in step_checkpoints(run_copy)[-2:]]
+
+
+def test_choose_on_val_takes_a_length_penalty_of_0_and_refuses_counts_of_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A length penalty of 0 (raw log-probabilities) is one mtx takes; a beam, an average or an
+    ensemble of 0 is a mistake, not the config's beam or nothing (stop 70's mutants: 0 refused as a
+    penalty, or taken as a count: `--beam 0` scored the config's beam as "beam 0")."""
+    import runpy
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "choose_on_val.py"
+    names = runpy.run_path(str(script), run_name="choose_on_val")
+    assert names["penalties"]("0,1.5,10") == [0.0, 1.5, 10.0]
+    assert names["counts"]("1,4") == [1, 4]
+    for option in ("--beam", "--last", "--ensemble"):
+        code, _, err = script_in_process(script, ["--run", "r", f"{option}=4,0"], monkeypatch, capsys)
+        assert code == 2 and f"argument {option}: expected comma-separated whole numbers >= 1, got '4,0'" in err

@@ -556,3 +556,161 @@ def test_scripts_start_with_docstrings_stripped(script: str) -> None:
         [sys.executable, "-OO", str(REPO / "scripts" / script), "--help"], capture_output=True, timeout=300
     )
     assert r.returncode == 0 and b"usage:" in r.stdout, r.stderr.decode()
+
+
+def test_bench_decode_reports_the_seconds_and_outputs_it_timed(
+    tiny_restricted_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every number of the table and the JSON line is computed from what the timed passes measured:
+    each setting's decoding takes a set time per batch on a clock of the test's own and gives set
+    outputs, so each rate, ratio and share is known exactly; every row timed is in the table and no
+    other (stop 70's mutants: seconds summed over passes, a ratio upside down, another row's
+    seconds, EOS not counted or tokens counted in every pass, a share over the batches: the tests
+    checked only that the numbers were positive). The 1-worker rows' outputs differ here from the
+    default layout's: their tok/s counted the default rows' tokens (stop 70)."""
+    import time
+    from collections import defaultdict
+
+    import mtx.search
+
+    per_batch = {  # seconds per batch of each row, in the first pass (twice that in the second)
+        "greedy": 1.0,
+        "greedy, 1 worker": 1.25,
+        "greedy, no cache": 2.5,
+        "beam 5": 3.0,
+        "beam 5, 1 worker": 3.5,
+        "beam 5, no cache": 8.0,
+        "beam 5, stop finished": 2.0,
+        "greedy, bf16": 0.75,
+        "beam 5, bf16": 2.25,
+        "greedy, whole vocab": 1.5,
+        "beam 5, whole vocab": 4.5,
+    }
+    rows = {  # (beam, cache, workers, stop, weights) -> row
+        (1, True, 0, "exact", "fp32"): "greedy",
+        (1, True, 1, "exact", "fp32"): "greedy, 1 worker",
+        (1, False, 1, "exact", "fp32"): "greedy, no cache",
+        (5, True, 0, "exact", "fp32"): "beam 5",
+        (5, True, 1, "exact", "fp32"): "beam 5, 1 worker",
+        (5, False, 1, "exact", "fp32"): "beam 5, no cache",
+        (5, True, 0, "finished", "fp32"): "beam 5, stop finished",
+        (1, True, 0, "exact", "bf16"): "greedy, bf16",
+        (5, True, 0, "exact", "bf16"): "beam 5, bf16",
+        (1, True, 0, "exact", "whole"): "greedy, whole vocab",
+        (5, True, 0, "exact", "whole"): "beam 5, whole vocab",
+    }
+    clock = [0.0]
+    batches_done: dict[str, int] = defaultdict(int)
+    outputs: dict[str, list[list[int]]] = defaultdict(list)  # the first pass's, in batch order
+
+    def timed(fn: Any, batches: list, workers: int, device: torch.device, model: torch.nn.Module) -> list:
+        """Each sentence's output: as many pieces as a function of the row and its place, so rows
+        agree on some sentences and not on others (and the 1-worker rows differ from the default
+        layout's, as other thread counts may make them: a near tie goes the other way)."""
+        dtype = next(model.parameters()).dtype
+        weights = "whole" if type(model).__name__ == "WholeVocabulary" else str(dtype).removeprefix("torch.")
+        weights = "fp32" if weights == "float32" else "bf16" if weights == "bfloat16" else weights
+        kw = fn.keywords
+        row = rows[kw["beam"], kw["cache"], workers, kw["stop"], weights]
+        first_pass = batches_done[row] < n_batches
+        first = batches_done[row] % n_batches * 8  # the sentence each batch starts with
+        hyps = [
+            [
+                [7] * ((first + i) % (3 + len(row) % 3) + (2 if "worker" in row and i == 0 else 1))
+                for i in range(len(batch))
+            ]
+            for batch in batches
+        ]
+        clock[0] += per_batch[row] * len(batches) * (1 if first_pass else 2)
+        batches_done[row] += len(batches)
+        if first_pass:
+            outputs[row] += [h for batch in hyps for h in batch]
+        return hyps
+
+    n, n_batches = 24, 3
+    monkeypatch.setattr(mtx.search, "in_workers", timed)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    lines, result = _bench(tiny_restricted_run, monkeypatch, capsys, "--rounds", "2", "--turn-batches", "1")
+    monkeypatch.undo()
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    timed_rows = [row for row in per_batch if native_bf16 or "bf16" not in row]
+    assert set(outputs) == set(timed_rows) and all(batches_done[row] == 2 * n_batches for row in timed_rows)
+    seconds = {row: per_batch[row] * n_batches * 1.5 for row in timed_rows}  # per pass: (1 + 2) / 2
+    tokens = {row: sum(len(h) + 1 for h in outputs[row]) for row in timed_rows}  # + EOS, one pass
+    assert all(len(outputs[row]) == n for row in timed_rows)
+    head = next(i for i, line in enumerate(lines) if line.startswith("setting "))
+    assert lines[head + 1 : head + 1 + len(timed_rows)] == [  # every row timed, in order, and no other
+        f"{row:20s} {n / seconds[row]:8.1f} {tokens[row] / seconds[row]:10.0f} {tokens[row] / n:9.2f} "
+        f"{seconds[row]:8.2f}"
+        for row in timed_rows
+    ]
+    assert lines[head + 1 + len(timed_rows)].startswith("cached == uncached == 1-worker outputs:")
+
+    def rate(row: str, over: str | None = None) -> float:
+        return round(tokens[row] / seconds[over or row], 1)
+
+    def ratio(a: str, b: str) -> float:
+        return round(seconds[a] / seconds[b], 3)
+
+    def share(a: str, b: str) -> float:
+        return round(sum(x == y for x, y in zip(outputs[a], outputs[b], strict=True)) / n, 4)
+
+    expected = {
+        "greedy_sent_per_s": round(n / seconds["greedy"], 2),
+        "beam5_sent_per_s": round(n / seconds["beam 5"], 2),
+        "greedy_tok_per_s": rate("greedy"),
+        "beam5_tok_per_s": rate("beam 5"),
+        "greedy_tok_per_s_1_worker": rate("greedy, 1 worker"),  # its own output tokens (stop 70: greedy's)
+        "beam5_tok_per_s_1_worker": rate("beam 5, 1 worker"),
+        "beam5_cache_speedup": ratio("beam 5, no cache", "beam 5, 1 worker"),
+        "greedy_cache_speedup": ratio("greedy, no cache", "greedy, 1 worker"),
+        "beam5_slowdown_vs_greedy": ratio("beam 5", "greedy"),
+        "beam5_slowdown_vs_greedy_per_round": [ratio("beam 5", "greedy")] * 2,  # alike in both passes
+        "cached_equals_uncached": {
+            "greedy": outputs["greedy"] == outputs["greedy, no cache"] == outputs["greedy, 1 worker"],
+            "beam5": outputs["beam 5"] == outputs["beam 5, no cache"] == outputs["beam 5, 1 worker"],
+        },
+        "beam5_stop_finished": {
+            "tok_per_s": rate("beam 5, stop finished"),
+            "slowdown_vs_greedy": ratio("beam 5, stop finished", "greedy"),
+            "identical": share("beam 5", "beam 5, stop finished"),
+        },
+        "precision": "fp32",
+        "bf16": {
+            "greedy_tok_per_s": rate("greedy, bf16"),
+            "greedy_speedup": ratio("greedy", "greedy, bf16"),
+            "greedy_identical": share("greedy", "greedy, bf16"),
+            "beam5_tok_per_s": rate("beam 5, bf16"),
+            "beam5_speedup": ratio("beam 5", "beam 5, bf16"),
+            "beam5_identical": share("beam 5", "beam 5, bf16"),
+            "beam5_slowdown_vs_greedy": ratio("beam 5, bf16", "greedy, bf16"),
+        }
+        if native_bf16
+        else None,
+        "restricted_output_speedup": {
+            "greedy": ratio("greedy, whole vocab", "greedy"),
+            "beam5": ratio("beam 5, whole vocab", "beam 5"),
+        },
+        "restricted_output_identical": {
+            "greedy": share("greedy", "greedy, whole vocab"),
+            "beam5": share("beam 5", "beam 5, whole vocab"),
+        },
+    }
+    assert result == expected
+    finished = next(line for line in lines if line.startswith("beam 5, stop finished (decode.stop):"))
+    assert finished.startswith("beam 5, stop finished (decode.stop): 1.500x the exact stop's speed, 2.00x slower")
+
+
+def test_side_by_side_rates_count_each_rows_own_output_tokens() -> None:
+    """mtx's 1-worker tok/s in bench_ctranslate2's and bench_onmt's JSON counted the default
+    layout's output tokens over the 1-worker row's seconds (stop 70), a number no pass measured
+    where the two layouts' outputs differ."""
+    import runpy
+
+    side = runpy.run_path(str(SCRIPT), run_name="bench_decode")["MtxSide"]
+    tokens = {"mtx greedy": 100, "mtx greedy, 1 worker": 90}
+    seconds = {"mtx greedy": 2.0, "mtx greedy, 1 worker": 3.0}
+    assert side.rates("greedy", "greedy", tokens, seconds) == {
+        "mtx_greedy_tok_per_s": 50.0,
+        "mtx_greedy_tok_per_s_1_worker": 30.0,
+    }

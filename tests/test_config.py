@@ -420,6 +420,9 @@ def test_a_files_section_mistake_is_blamed_on_the_file_whatever_is_set(tmp_path:
         ("train.max_position", "model.max_positions"),
         ("decode.n_head", "model.n_heads"),
         ("model.warmup_step", "train.warmup_steps"),
+        # a leaf that two sections hold: the section's own on a tie (stop 70's mutant: the other's)
+        ("decode.batch_tokns", "decode.batch_tokens"),
+        ("train.batch_tokns", "train.batch_tokens"),
     ],
 )
 def test_did_you_mean_looks_in_other_sections_and_other_tools_names_first(key: str, meant: str) -> None:
@@ -470,3 +473,52 @@ def test_an_adam_eps_that_is_zero_in_float32_is_refused_and_odd_values_read_well
         ConfigError, match=r"data\.valid_split must be a name without control characters, got 'va\\nl'$"
     ):
         from_dict({"data": {"valid_split": "va\nl"}})
+
+
+def test_range_checks_refuse_exactly_past_their_bounds() -> None:
+    """Each bound a message states holds the value it names and refuses the next one (stop 70's
+    mutants: `>=` for `>` or one-off bounds passed every test)."""
+    from mtx.config import AT_MOST, MAX_INT
+
+    assert load_config(None, [f"train.max_steps={MAX_INT}"]).train.max_steps == MAX_INT  # "at most 2**53"
+    with pytest.raises(ConfigError, match=r"train\.max_steps must be at most 2\*\*53 in size"):
+        load_config(None, [f"train.max_steps={MAX_INT + 1}"])
+    # every size at its largest together (a head of 64, even), and each one past it alone
+    largest = {
+        "tokenizer": {"vocab_size": AT_MOST["tokenizer.vocab_size"]},
+        "model": {k.split(".")[1]: v for k, v in AT_MOST.items() if k.startswith("model.")},
+        "decode": {"beam": AT_MOST["decode.beam"]},
+    }
+    cfg = from_dict(largest)
+    assert (cfg.model.d_model, cfg.model.n_heads, cfg.decode.beam) == (65_536, 1_024, 1_000)
+    for key, most in AT_MOST.items():
+        section, name = key.split(".")
+        raw = {s: dict(v) for s, v in largest.items()}
+        raw[section][name] = most + 2  # (+2: d_model and the head stay even)
+        with pytest.raises(ConfigError, match=rf"{re.escape(key)} must be at most {most:,}, got {most + 2:,}$"):
+            from_dict(raw)
+    assert from_dict({"train": {"seed": 2**32 - 1}}).train.seed == 2**32 - 1
+    with pytest.raises(ConfigError, match=r"train\.seed must be in \[0, 2\*\*32\), got 4294967296$"):
+        from_dict({"train": {"seed": 2**32}})
+    assert from_dict({"tokenizer": {"vocab_size": 300}}).tokenizer.vocab_size == 300
+    with pytest.raises(ConfigError, match=r"tokenizer\.vocab_size must be >= 300 \(256 bytes \+ specials\), got 299$"):
+        from_dict({"tokenizer": {"vocab_size": 299}})
+    for betas in ([1.0, 0.98], [0.9, 1.0], [0.9, -0.1]):
+        with pytest.raises(ConfigError, match=r"train\.adam_betas must both be in \[0, 1\)$"):
+            from_dict({"train": {"adam_betas": betas}})
+    # "needs train.bidirectional >= train.diversify": equal is enough
+    assert from_dict({"train": {"bidirectional": 0.5, "diversify": 0.5}}).train.diversify == 0.5
+    # data.max_len pieces + BOS/EOS fill model.max_positions exactly
+    assert from_dict({"data": {"max_len": 254}, "model": {"max_positions": 256}}).data.max_len == 254
+    with pytest.raises(ConfigError, match=r"data\.max_len \+ 2 \(257\) exceeds model\.max_positions \(256\)$"):
+        from_dict({"data": {"max_len": 255}, "model": {"max_positions": 256}})
+    with pytest.raises(ConfigError, match=r"model\.d_model / model\.n_heads must be even$"):
+        from_dict({"model": {"d_model": 12, "n_heads": 4}})  # heads of 3
+
+
+def test_a_set_value_is_taken_without_the_spaces_and_quotes_around_it() -> None:
+    """`--set data.src_lang= fr` and `--set data.tgt_lang="de"` name the languages fr and de, as
+    YAML reads the other keys' values (stop 70's mutants: the space, or double quotes, kept)."""
+    data = load_config(None, ["data.src_lang= fr ", 'data.tgt_lang="de"', "data.valid_split='dev'"]).data
+    assert (data.src_lang, data.tgt_lang, data.valid_split) == ("fr", "de", "dev")
+    assert load_config(None, ["train.lr = 0.5 "]).train.lr == 0.5

@@ -314,3 +314,23 @@ def test_an_export_error_names_the_place_the_user_gave_not_the_staging_folder(
     r = mtx_here(monkeypatch, "export", "--run", str(tiny_run), "--out", str(out))
     assert_one_line_error(r, f"mtx: error: {out / 'target_tokenizer.json'}: No space left on device")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_info_file_holds_the_runs_decoding_settings(
+    tiny_run: Path, tiny_restricted_run: Path, tmp_path: Path
+) -> None:
+    """mtx_export.json tells a CTranslate2 user the run's beam, length penalty and length cap, and
+    whether its softmax is restricted (stop 70's mutants: another key's value, or the flag inverted,
+    passed every test)."""
+    for run_dir, restricted in ((tiny_run, False), (tiny_restricted_run, True)):
+        run = load_run(run_dir)
+        info = json.loads((export_ctranslate2(run, tmp_path / run_dir.name) / "mtx_export.json").read_text())
+        dc = run.cfg.decode
+        assert dc.length_penalty != dc.max_len_a  # (so that one read for the other shows)
+        assert info["decode"] == {
+            "beam": dc.beam,
+            "length_penalty": dc.length_penalty,
+            "max_len_a": dc.max_len_a,
+            "max_len_b": dc.max_len_b,
+        }
+        assert info["restricted_output"] is restricted
