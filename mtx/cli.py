@@ -22,7 +22,7 @@ import threading
 import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, NoReturn
+from typing import IO, TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from mtx import __version__
 from mtx.config import (
@@ -55,7 +55,9 @@ if TYPE_CHECKING:
 
     from tqdm import tqdm
 
+    from mtx.checkpoint import LoadedRun
     from mtx.config import Config
+    from mtx.evaluate import PairedResult, Scores
 
 log = logging.getLogger("mtx")
 
@@ -280,6 +282,7 @@ def file_path(text: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """mtx's parser: its own options, and each command's parser with that command's options."""
     parser = _Parser(
         prog="mtx",
         description="Train Transformer translation models on Multi30k, translate, and score with sacreBLEU.",
@@ -289,7 +292,20 @@ def build_parser() -> argparse.ArgumentParser:
         "-v", "--verbose", action="store_true", help="debug logging, and the traceback behind an error"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train_parser(sub)
+    _add_translate_parser(sub)
+    _add_eval_parser(sub)
+    _add_average_parser(sub)
+    _add_export_parser(sub)
+    _add_plot_parser(sub)
+    _add_compare_parser(sub)
+    for p in sub.choices.values():  # after the command too, as peers take it (stop 69's probe: refused there)
+        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose.help)
+    return parser
 
+
+def _add_train_parser(sub: argparse._SubParsersAction) -> None:
+    """`mtx train`: train a model from a YAML config, or resume a run."""
     p = sub.add_parser(
         "train", help="train a model from a YAML config", description="Train a model from a YAML config."
     )
@@ -298,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_set_option(p, "override a config key by its dotted name, e.g. --set train.max_steps=200 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from checkpoints/last.pt")
 
+
+def _add_translate_parser(sub: argparse._SubParsersAction) -> None:
+    """`mtx translate`: translate TEXT arguments or standard input with a run."""
     p = sub.add_parser(
         "translate",
         help="translate sentences with a trained run",
@@ -322,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("text", nargs="*", help="sentences to translate ('-' or none: read standard input)")
 
+
+def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    """`mtx eval`: translate a test split (or --src/--ref files) and score it."""
     p = sub.add_parser(
         "eval",
         help="translate a test split and score it with sacreBLEU",
@@ -365,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the scores as one JSON object")
 
+
+def _add_average_parser(sub: argparse._SubParsersAction) -> None:
+    """`mtx average`: average a run's newest step checkpoints."""
     p = sub.add_parser(
         "average",
         help="average the last step checkpoints of a run",
@@ -380,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
         "best.pt held, as best_average.pt)",
     )
 
+
+def _add_export_parser(sub: argparse._SubParsersAction) -> None:
+    """`mtx export`: write a run's model as a CTranslate2 model."""
     p = sub.add_parser(
         "export",
         help="write a run's model as a CTranslate2 model (needs ctranslate2)",
@@ -399,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization", choices=QUANTIZATIONS, default="float32", help="CTranslate2 weight type (default: float32)"
     )
 
+
+def _add_plot_parser(sub: argparse._SubParsersAction) -> None:
+    """`mtx plot`: an image of one run's learning curves, or several runs'."""
     p = sub.add_parser(
         "plot",
         help="plot learning curves of one run or several",
@@ -419,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="x axis: update steps or minutes of training (default: step)",
     )
 
+
+def _add_compare_parser(sub: argparse._SubParsersAction) -> None:
+    """`mtx compare`: runs' val loss and BLEU side by side."""
     p = sub.add_parser(
         "compare",
         help="compare runs' val loss and BLEU at equal steps and equal training time",
@@ -426,9 +460,6 @@ def build_parser() -> argparse.ArgumentParser:
         "other run's at the same step and at the same training time.",
     )
     p.add_argument("--run", required=True, type=path_arg, action="append", help="run directory (at least two)")
-    for p in sub.choices.values():  # after the command too, as peers take it (stop 69's probe: refused there)
-        p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=verbose.help)
-    return parser
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -479,9 +510,20 @@ def _restore_config(run_dir: Path) -> None:
     log.warning("%s: %s was missing; written again from %s", run_dir, CONFIG_FILE, last)
 
 
-def _decode_settings(args: argparse.Namespace, cfg_decode: DecodeConfig) -> tuple[int, float, int, int, str]:
+class _DecodeSettings(NamedTuple):
+    """translate's and eval's search settings: the options given, else the run's decode section."""
+
+    beam: int
+    alpha: float  # the GNMT length penalty
+    batch_tokens: int
+    workers: int
+    stop: str
+
+
+def _decode_settings(args: argparse.Namespace, cfg_decode: DecodeConfig) -> _DecodeSettings:
     beam = args.beam if args.beam is not None else cfg_decode.beam
-    alpha = args.length_penalty if args.length_penalty is not None else cfg_decode.length_penalty
+    # + 0.0: -0 is 0 (stop 70's probe: "length penalty -0" in the header and JSON, a file named lp0)
+    alpha = (args.length_penalty if args.length_penalty is not None else cfg_decode.length_penalty) + 0.0
     batch_tokens = args.batch_tokens if args.batch_tokens is not None else cfg_decode.batch_tokens
     workers = args.workers if args.workers is not None else cfg_decode.workers
     stop = args.stop or cfg_decode.stop
@@ -493,7 +535,7 @@ def _decode_settings(args: argparse.Namespace, cfg_decode: DecodeConfig) -> tupl
         raise MtxError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     if workers < 0:
         raise MtxError(f"--workers must be >= 0 (0: auto), got {workers}")
-    return beam, alpha, batch_tokens, workers, stop
+    return _DecodeSettings(beam, alpha, batch_tokens, workers, stop)
 
 
 def _precision(args: argparse.Namespace, cfg: Config) -> str:
@@ -501,7 +543,7 @@ def _precision(args: argparse.Namespace, cfg: Config) -> str:
     return args.precision or cfg.decode.precision
 
 
-def _settings(args: argparse.Namespace) -> tuple[Config, tuple[int, float, int, int, str]]:
+def _settings(args: argparse.Namespace) -> tuple[Config, _DecodeSettings]:
     """The run's config and the decoding settings, checked before torch is imported (a mistake
     is reported in a fraction of a second, not after seconds of imports)."""
     from mtx.config import load_run_config
@@ -515,7 +557,7 @@ def _settings(args: argparse.Namespace) -> tuple[Config, tuple[int, float, int, 
     return cfg, _decode_settings(args, cfg.decode)
 
 
-def _load(args: argparse.Namespace):  # noqa: ANN202 - returns LoadedRun, imported lazily
+def _load(args: argparse.Namespace) -> LoadedRun:
     import torch
 
     from mtx.checkpoint import load_run
@@ -556,8 +598,33 @@ def _utf8_argument(text: str, i: int) -> str:
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
+    """`mtx translate`: translate TEXT arguments or standard input with a run, a line per input line."""
+    from_stdin = not args.text or args.text == ["-"]
+    texts = _check_translate_input(args, from_stdin)
+    _, settings = _settings(args)
+    if not 1 <= args.nbest <= settings.beam:
+        raise MtxError(f"--nbest must be between 1 and --beam ({settings.beam}), got {args.nbest}")
+    terminal, show_bar, chunks = _translate_input(args, texts, from_stdin)
+    run = _load(args)
+    if terminal:
+        log.info("type a sentence and press Enter to translate it; Ctrl-D ends")
+    short = _write_translations(args, run, settings, chunks, show_bar)
+    if short:
+        # (stop 62: a short length cap, or an output vocabulary of fewer pieces than --nbest, left
+        # fewer different texts than asked, and the lists repeated texts without a word)
+        log.warning(
+            "%d input(s) have fewer than --nbest %d different translations within the length cap "
+            "(decode.max_len_a, decode.max_len_b) and the output vocabulary: their lists repeat a text "
+            "(another segmentation of it) or are shorter",
+            short,
+            args.nbest,
+        )
+    return 0
+
+
+def _check_translate_input(args: argparse.Namespace, from_stdin: bool) -> list[str]:
+    """translate's TEXT arguments (as UTF-8) or standard input, checked before the run's config is read."""
     texts = args.text
-    from_stdin = not texts or texts == ["-"]
     if args.buffer_lines < 1:  # (stop 64: with TEXT arguments it was taken without a word)
         raise MtxError(f"--buffer-lines must be >= 1, got {args.buffer_lines}")
     if not from_stdin and "-" in texts:  # (stop 64: `- -` was "mixed with TEXT arguments")
@@ -578,32 +645,42 @@ def cmd_translate(args: argparse.Namespace) -> int:
         raise MtxError("standard input and standard output are the same file; write the translations to another file")
     if not from_stdin:
         texts = [_utf8_argument(text, i) for i, text in enumerate(texts, 1)]
-    _, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
-    if not 1 <= args.nbest <= beam:
-        raise MtxError(f"--nbest must be between 1 and --beam ({beam}), got {args.nbest}")
-    from mtx.data import checked_line, stream_lines
-    from mtx.search import translate_ids
+    return texts
 
-    chunks: Iterable[tuple[int, list[str]]]
+
+def _translate_input(
+    args: argparse.Namespace, texts: list[str], from_stdin: bool
+) -> tuple[bool, bool, Iterable[tuple[int, list[str]]]]:
+    """Whether a terminal types the input, whether a progress bar shows, and the input's lines in chunks."""
+    from mtx.data import checked_line, stream_lines
+
     if from_stdin:
         terminal = sys.stdin.isatty()
         # a file or pipe in and out: a bar of the lines done on the terminal's stderr
         show_bar = not terminal and not sys.stdout.isatty()
-        chunks = stream_lines(_binary_stdin(), args.buffer_lines, "standard input", "the input")
-    else:
-        # a TEXT holding line breaks (`"$(cat notes.txt)"`) is its lines, as on standard input
-        # (stop 62: translated as one sentence, its line breaks as pieces)
-        # (stop 64: one with CR-only line breaks, refused on standard input, was one sentence)
-        lines = [
-            checked_line(part, f"TEXT argument {i}", number, "the text")
-            for i, text in enumerate(texts, 1)
-            for number, part in enumerate(text.removesuffix("\n").split("\n"), 1)
-        ]
-        terminal, show_bar, chunks = False, False, [(0, lines)]
-    run = _load(args)
+        return terminal, show_bar, stream_lines(_binary_stdin(), args.buffer_lines, "standard input", "the input")
+    # a TEXT holding line breaks (`"$(cat notes.txt)"`) is its lines, as on standard input
+    # (stop 62: translated as one sentence, its line breaks as pieces)
+    # (stop 64: one with CR-only line breaks, refused on standard input, was one sentence)
+    lines = [
+        checked_line(part, f"TEXT argument {i}", number, "the text")
+        for i, text in enumerate(texts, 1)
+        for number, part in enumerate(text.removesuffix("\n").split("\n"), 1)
+    ]
+    return False, False, [(0, lines)]
+
+
+def _write_translations(
+    args: argparse.Namespace,
+    run: LoadedRun,
+    settings: _DecodeSettings,
+    chunks: Iterable[tuple[int, list[str]]],
+    show_bar: bool,
+) -> int:
+    """Each chunk translated and written to standard output; returns how many inputs' n-best lists are short."""
+    from mtx.search import translate_ids
+
     dc = run.cfg.decode
-    if terminal:
-        log.info("type a sentence and press Enter to translate it; Ctrl-D ends")
     out = sys.stdout
     short = 0  # inputs whose n-best list repeats a text: fewer different ones were found
     with _progress_bar("translating", None, show_bar) as bar:
@@ -611,15 +688,15 @@ def cmd_translate(args: argparse.Namespace) -> int:
             hyps = translate_ids(
                 run.model,
                 run.src_tok.encode_batch(lines, run.model.cfg.max_positions - 1),
-                beam,
-                alpha,
+                settings.beam,
+                settings.alpha,
                 dc.max_len_a,
                 dc.max_len_b,
-                batch_tokens,
+                settings.batch_tokens,
                 nbest=args.nbest,
                 use_cache=not args.no_cache,
-                workers=workers,
-                stop=stop,
+                workers=settings.workers,
+                stop=settings.stop,
                 progress=bar.update,
                 # an n-best list of different texts: segmentations of one text count once
                 text_key=(lambda ids: run.tgt_tok.decode_batch([ids])[0]) if args.nbest > 1 else None,
@@ -635,23 +712,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
                         for text, hyp in zip(found, h, strict=True):
                             out.write(f"{i} ||| {text} ||| {score_text(hyp.score)}\n")
                 out.flush()
-    if short:
-        # (stop 62: a short length cap, or an output vocabulary of fewer pieces than --nbest, left
-        # fewer different texts than asked, and the lists repeated texts without a word)
-        log.warning(
-            "%d input(s) have fewer than --nbest %d different translations within the length cap "
-            "(decode.max_len_a, decode.max_len_b) and the output vocabulary: their lists repeat a text "
-            "(another segmentation of it) or are shorter",
-            short,
-            args.nbest,
-        )
-    return 0
+    return short
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from mtx.checkpoint import load_run
-    from mtx.export import export_ctranslate2
-
     if len(args.checkpoint) > 1:
         raise MtxError("export takes one --checkpoint; average several first (mtx average) and export the average")
     if args.out is not None:
@@ -662,6 +726,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise MtxError(f"--out {args.out} is a file; give a new directory for the exported model")
         # (stop 62: a directory named like a future step_N.pt stopped training at that step)
         _not_a_runs_file(args.out, f"--out {args.out}", "give a new directory for the exported model")
+    # torch is imported only now: a mistake in an option is reported in a fraction of a second
+    from mtx.checkpoint import load_run
+    from mtx.export import export_ctranslate2
+
     run = load_run(args.run, args.checkpoint)
     out = args.out or args.run / f"ctranslate2-{args.quantization}"
     export_ctranslate2(run, out, args.quantization)
@@ -714,11 +782,13 @@ def _source_tag(args: argparse.Namespace, name: str, run_data_dir: str = "") -> 
     that d1/val.de and d2/val.de, or val of another --data-dir, do not share a file."""
     if args.src is not None:
         path = args.src
-    elif args.data_dir is not None and args.data_dir.resolve() != Path(run_data_dir).resolve():
+    # realpath, not Path.resolve: a loop of symbolic links raised RuntimeError there (Python < 3.13;
+    # stop 70's probe: a run whose data.dir had become one, a traceback after the model loaded)
+    elif args.data_dir is not None and os.path.realpath(args.data_dir) != os.path.realpath(run_data_dir):
         path = args.data_dir
     else:
         return name
-    digest = hashlib.sha1(str(path.resolve()).encode("utf-8")).hexdigest()[:8]
+    digest = hashlib.sha1(os.path.realpath(path).encode("utf-8")).hexdigest()[:8]
     # a long --src name is cut (the digest keeps it apart): with the tags added it passed the
     # 255 bytes a file name may have (stop 61: "File name too long" for a name the user never chose)
     short = name.encode("utf-8")[:100].decode("utf-8", "ignore")
@@ -894,15 +964,23 @@ def _stdin_is_stdout() -> bool:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from mtx.evaluate import (
-        BYTES_PER_RESAMPLED,
-        MAX_RESAMPLED,
-        MIN_BOOTSTRAP,
-        PAIRED_SAMPLES,
-        corpus_scores,
-        paired_tests,
-        resampling_seed_problem,
-    )
+    """`mtx eval`: translate a test set with a run and print its sacreBLEU scores."""
+    _check_eval_options(args)
+    cfg, settings = _settings(args)
+    # the data and the other systems' outputs are checked before the model is loaded
+    data = _read_eval_set(args, cfg)
+    _warn_of_seen_split(args, cfg, data.name)
+    samples, others = _bootstrap_and_paired(args, data)
+    run = _load(args)
+    output = _hypotheses_path(args, cfg, run, data, settings)
+    text = _decode_hypotheses(args, cfg, run, data, settings, output)
+    _report_scores(args, cfg, run, data, settings, output, text, others, samples)
+    return 0
+
+
+def _check_eval_options(args: argparse.Namespace) -> None:
+    """eval's options that need no file read, checked before the run's config; --split gets its default."""
+    from mtx.evaluate import MIN_BOOTSTRAP
 
     if (args.src is None) != (args.ref is None):
         raise MtxError("--src and --ref go together (source file and reference file)")
@@ -919,24 +997,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
     if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
-    resolved = [path.resolve() for path in args.paired]  # (a.en and x/../a.en are one file)
+    resolved = []  # (a.en and x/../a.en are one file)
+    for path in args.paired:
+        try:
+            resolved.append(path.resolve())
+        except (OSError, RuntimeError):  # a loop of links: RuntimeError before Python 3.13 (stop 70: a traceback)
+            raise MtxError(f"--paired {path}: a loop of symbolic links; pass --paired with another path") from None
     repeated = next((path for i, path in enumerate(args.paired) if resolved[i] in resolved[:i]), None)
     if repeated is not None:  # (stop 69's probe: its test was printed twice without a word)
         raise MtxError(f"--paired {repeated} is given twice; give each system's output once")
-    cfg, (beam, alpha, batch_tokens, workers, stop) = _settings(args)
-    from mtx.checkpoint import atomic_write_text, checkpoint_dir, run_files
-    from mtx.data import (
-        eval_split_files,
-        is_test_split,
-        read_lines,
-        read_parallel,
-        warn_of_invisible_ends,
-        warn_unless_nfc,
-    )
-    from mtx.plot import parent_directories, replaced_at
-    from mtx.search import translate
 
-    # the data and the other systems' outputs are checked before the model is loaded
+
+class _EvalSet(NamedTuple):
+    """What eval scores: its name (the split, or the --src file's), its lines, the files read, the split's files."""
+
+    name: str
+    src: list[str]
+    ref: list[str]
+    src_file: Path
+    ref_file: Path
+    split_files: tuple[Path | None, Path | None]
+
+
+def _read_eval_set(args: argparse.Namespace, cfg: Config) -> _EvalSet:
+    """The lines of --src/--ref, else of the split in the data directory; warnings about the references."""
+    from mtx.data import eval_split_files, read_parallel, warn_of_invisible_ends, warn_unless_nfc
+
     if args.src is not None:
         # a blank segment translates to an empty line, as in translate (stop 62: refused, and
         # removing it made the hypotheses one line short of other systems' for --paired)
@@ -953,6 +1039,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     src_file, ref_file = args.src or split_files[0], args.ref or split_files[1]  # the files read
     warn_unless_nfc(ref, str(ref_file))
     warn_of_invisible_ends(ref, str(ref_file))
+    return _EvalSet(name, src, ref, src_file, ref_file, split_files)
+
+
+def _warn_of_seen_split(args: argparse.Namespace, cfg: Config, name: str) -> None:
+    """A warning where eval scores what the run was trained on, or the test split it was validated on."""
+    from mtx.data import is_test_split
+
     data = cfg.data
 
     def scoring(split: str) -> bool:
@@ -976,11 +1069,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
             name,
             data.valid_split,
         )
+
+
+def _bootstrap_and_paired(args: argparse.Namespace, data: _EvalSet) -> tuple[int, list[tuple[str, list[str]]]]:
+    """The bootstrap resamples and the other systems' outputs (--paired: name, lines), checked before decoding."""
+    from mtx.data import read_lines, warn_of_invisible_ends
+    from mtx.evaluate import (
+        BYTES_PER_RESAMPLED,
+        MAX_RESAMPLED,
+        MIN_BOOTSTRAP,
+        PAIRED_SAMPLES,
+        resampling_seed_problem,
+    )
+
     samples = args.bootstrap or (PAIRED_SAMPLES if args.paired else 0)
     if samples and (problem := resampling_seed_problem()):  # before decoding (stop 68's probe: after it)
         raise MtxError(problem)
-    if samples * len(src) > MAX_RESAMPLED:  # before decoding; sacreBLEU would run out of memory after it
-        most = MAX_RESAMPLED // len(src)
+    if samples * len(data.src) > MAX_RESAMPLED:  # before decoding; sacreBLEU would run out of memory after it
+        most = MAX_RESAMPLED // len(data.src)
         # (stop 68's probe: past 250,000 sentences it advised a count below the least one allowed)
         fix = (
             f"pass --bootstrap {most} or fewer"
@@ -989,29 +1095,39 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
         paired = "" if args.bootstrap else " (--paired's test)"
         raise MtxError(
-            f"{samples} bootstrap resamples{paired} of {len(src)} sentences take "
-            f"{samples * len(src) * BYTES_PER_RESAMPLED / 2**30:.1f} GiB in sacreBLEU; {fix}"
+            f"{samples} bootstrap resamples{paired} of {len(data.src)} sentences take "
+            f"{samples * len(data.src) * BYTES_PER_RESAMPLED / 2**30:.1f} GiB in sacreBLEU; {fix}"
         )
     # the other systems' outputs, read and counted before decoding: a wrong file fails at once
     others = [(str(path), read_lines(path, allow_empty=True, as_scored=True)) for path in args.paired]
     for path, lines in others:
         warn_of_invisible_ends(lines, f"--paired {path}", "output")
     for path, lines in others:
-        if len(lines) != len(src):
+        if len(lines) != len(data.src):
             counted = f"{len(lines)} line{'s' * (len(lines) != 1)}"
-            raise MtxError(f"--paired {path}: {counted} for the {len(src)} sentences of {name}")
-    run = _load(args)
-    source = _source_tag(args, name, cfg.data.dir)
-    output = args.output or args.run / "eval" / _hypotheses_name(args, source, beam, stop, cfg, alpha)
-    to_stdout = str(output) == "-"  # (stop 54: a file named "-"; translate reads "-" as standard input)
+            raise MtxError(f"--paired {path}: {counted} for the {len(data.src)} sentences of {data.name}")
+    return samples, others
+
+
+def _hypotheses_path(
+    args: argparse.Namespace, cfg: Config, run: LoadedRun, data: _EvalSet, settings: _DecodeSettings
+) -> Path:
+    """Where eval writes its hypotheses (--output, else RUN/eval/...), checked before decoding."""
+    from mtx.checkpoint import checkpoint_dir, run_files
+
+    source = _source_tag(args, data.name, cfg.data.dir)
+    output = args.output
+    if output is None:
+        output = args.run / "eval" / _hypotheses_name(args, source, settings.beam, settings.stop, cfg, settings.alpha)
+    name = data.name
     _check_output(
         output,
         {
             "the --paired file": args.paired,
             "the --src file": [args.src],
             "the --ref file": [args.ref],
-            f"the {name} split's source file": [split_files[0]],
-            f"the {name} split's reference file": [split_files[1]],
+            f"the {name} split's source file": [data.split_files[0]],
+            f"the {name} split's reference file": [data.split_files[1]],
             "a checkpoint": [*run.checkpoints, *checkpoint_dir(args.run).glob("*")],
             "one of the run's own files": run_files(args.run),
             # the text the run was trained and validated on, in its data directory or the one
@@ -1020,21 +1136,33 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "a data file of the data directory": _data_files([Path(cfg.data.dir), args.data_dir]),
         },
     )
+    return output
+
+
+def _decode_hypotheses(
+    args: argparse.Namespace, cfg: Config, run: LoadedRun, data: _EvalSet, settings: _DecodeSettings, output: Path
+) -> list[str]:
+    """The source lines translated, and written to `output` (`-`: standard output)."""
+    from mtx.checkpoint import atomic_write_text
+    from mtx.plot import parent_directories, replaced_at
+    from mtx.search import translate
+
+    to_stdout = str(output) == "-"  # (stop 54: a file named "-"; translate reads "-" as standard input)
     # the directories made for the hypotheses file go again if decoding or writing fails
     with contextlib.nullcontext() if to_stdout else parent_directories(output):
-        with _progress_bar(f"decoding {name}", len(src)) as bar:
+        with _progress_bar(f"decoding {data.name}", len(data.src)) as bar:
             text = translate(
                 run.model,
                 run.tgt_tok,
-                run.src_tok.encode_batch(src, run.model.cfg.max_positions - 1),
-                beam,
-                alpha,
+                run.src_tok.encode_batch(data.src, run.model.cfg.max_positions - 1),
+                settings.beam,
+                settings.alpha,
                 cfg.decode.max_len_a,
                 cfg.decode.max_len_b,
-                batch_tokens,
+                settings.batch_tokens,
                 use_cache=not args.no_cache,
-                workers=workers,
-                stop=stop,
+                workers=settings.workers,
+                stop=settings.stop,
                 progress=bar.update,
             )
         if to_stdout or _is_stdout(output):  # opened again, it would be written from its start (stop 54)
@@ -1046,10 +1174,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 f.write("".join(t + "\n" for t in text))
         else:
             atomic_write_text(target, "".join(t + "\n" for t in text))
-    scores = corpus_scores(text, ref, bootstrap=args.bootstrap)
-    paired = paired_tests(text, others, ref, samples) if others else []
-    result: dict[str, object] = {
-        "split": name,
+    return text
+
+
+def _report_scores(
+    args: argparse.Namespace,
+    cfg: Config,
+    run: LoadedRun,
+    data: _EvalSet,
+    settings: _DecodeSettings,
+    output: Path,
+    text: list[str],
+    others: list[tuple[str, list[str]]],
+    samples: int,
+) -> None:
+    """The hypotheses scored (and tested against --paired's), printed as one JSON object (--json) or as lines."""
+    from mtx.evaluate import corpus_scores, paired_tests
+
+    beam, alpha, stop = settings.beam, settings.alpha, settings.stop
+    scores = corpus_scores(text, data.ref, bootstrap=args.bootstrap)
+    paired = paired_tests(text, others, data.ref, samples) if others else []
+    result: dict[str, Any] = {
+        "split": data.name,
         "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}",
         "beam": beam,
         "length_penalty": alpha if beam > 1 else None,  # (greedy has none)
@@ -1057,14 +1203,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "precision": _precision(args, cfg),
         # the files decoded with, the run's default one too (stop 63: [] unless --checkpoint was given)
         "checkpoints": [str(p) for p in run.checkpoints],
-        "src_file": str(src_file),
-        "ref_file": str(ref_file),
-        "sentences": len(src),
+        "src_file": str(data.src_file),
+        "ref_file": str(data.ref_file),
+        "sentences": len(data.src),
         **scores.as_dict(),
         "hypotheses": str(output),
     }
+    low = None
     if args.lowercase:
-        low = corpus_scores(text, ref, lowercase=True, bootstrap=args.bootstrap)
+        low = corpus_scores(text, data.ref, lowercase=True, bootstrap=args.bootstrap)
         result["bleu_lowercase"] = round(low.bleu, 2)
         result["bleu_lowercase_signature"] = low.bleu_signature
         if low.bleu_ci is not None:
@@ -1077,27 +1224,35 @@ def cmd_eval(args: argparse.Namespace) -> int:
     with named_os_errors("standard output"):
         if args.json:
             print(json.dumps(result))
-            return 0
-        search_note = f", length penalty {alpha:g}" if beam > 1 else ""
-        search_note += ", stop finished" if beam > 1 and stop == "finished" else ""
+        else:
+            _print_scores(result, scores, low, paired)
+
+
+def _print_scores(result: dict[str, Any], scores: Scores, low: Scores | None, paired: list[PairedResult]) -> None:
+    """eval's `result` as lines: what was decoded and how, BLEU (and its parts), chrF, the paired tests."""
+    beam, stop = result["beam"], result["stop"]
+    search_note = f", length penalty {result['length_penalty']:g}" if beam > 1 else ""
+    search_note += ", stop finished" if beam > 1 and stop == "finished" else ""
+    print(
+        f"{result['split']} {result['direction']} beam {beam}{search_note}, {result['precision']} "
+        f"({result['sentences']} sentences, {', '.join(result['checkpoints'])})"
+    )
+    print(f"BLEU {scores.bleu:6.2f}{_interval(scores.bleu_mean, scores.bleu_ci)}  {scores.bleu_signature}")
+    print(f"     {scores.bleu_details}")
+    if low is not None:
+        print(f"BLEU {low.bleu:6.2f}{_interval(low.bleu_mean, low.bleu_ci)}  {low.bleu_signature}  (lowercased)")
+    print(f"chrF {scores.chrf:6.2f}{_interval(scores.chrf_mean, scores.chrf_ci)}  {scores.chrf_signature}")
+    for r in paired:
         print(
-            f"{name} {result['direction']} beam {beam}{search_note}, {result['precision']} "
-            f"({len(src)} sentences, {', '.join(map(str, run.checkpoints))})"
+            f"against {r.name}: BLEU {r.bleu:.2f} -> {scores.bleu:.2f} ({r.bleu_delta:+.2f}, p = {r.bleu_p:.4f}), "
+            f"chrF {r.chrf:.2f} -> {scores.chrf:.2f} ({r.chrf_delta:+.2f}, p = {r.chrf_p:.4f})"
         )
-        print(f"BLEU {scores.bleu:6.2f}{_interval(scores.bleu_mean, scores.bleu_ci)}  {scores.bleu_signature}")
-        print(f"     {scores.bleu_details}")
-        if args.lowercase:
-            print(f"BLEU {low.bleu:6.2f}{_interval(low.bleu_mean, low.bleu_ci)}  {low.bleu_signature}  (lowercased)")
-        print(f"chrF {scores.chrf:6.2f}{_interval(scores.chrf_mean, scores.chrf_ci)}  {scores.chrf_signature}")
-        for r in paired:
-            print(
-                f"against {r.name}: BLEU {r.bleu:.2f} -> {scores.bleu:.2f} ({r.bleu_delta:+.2f}, p = {r.bleu_p:.4f}), "
-                f"chrF {r.chrf:.2f} -> {scores.chrf:.2f} ({r.chrf_delta:+.2f}, p = {r.chrf_p:.4f})"
-            )
-        if paired:
-            print(f"(paired bootstrap, {samples} resamples: p is how often chance alone gives a difference as large)")
-        print(f"hypotheses: {output}")
-        return 0
+    if paired:
+        print(
+            f"(paired bootstrap, {result['paired_resamples']} resamples: p is how often chance alone gives a "
+            "difference as large)"
+        )
+    print(f"hypotheses: {result['hypotheses']}")
 
 
 def zero_width_terminal(stream: Any) -> bool:

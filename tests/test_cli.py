@@ -34,7 +34,9 @@ import torch
 from mtx.cli import (
     _check_output,
     _data_files,
+    _decode_settings,
     _hypotheses_name,
+    _settings,
     _source_tag,
     _stdin_is_stdout,
     _training_data,
@@ -47,10 +49,10 @@ from mtx.cli import (
     set_threads,
     usable_cpus,
 )
-from mtx.config import load_config, load_run_config
+from mtx.config import Config, DecodeConfig, config_text, load_config, load_run_config
 from mtx.errors import MtxError
 
-from .conftest import REPO, FakeMulti30k, main_in_process, tiny_args
+from .conftest import REPO, TINY_CONFIG, FakeMulti30k, main_in_process, tiny_args
 
 
 def _child_env() -> dict[str, str]:
@@ -902,7 +904,7 @@ def test_verbose_adds_the_traceback_of_a_one_line_error(tmp_path: Path, capsys: 
     assert "Traceback (most recent call last)" in verbose and verbose.endswith(plain)
 
 
-def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision() -> None:
+def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision(tmp_path: Path) -> None:
     cfg = load_config(REPO / "configs" / "tiny.yaml")
 
     def name(*argv: str) -> str:
@@ -967,6 +969,12 @@ def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision()
     long = named("s" * 245 + ".de")
     assert re.fullmatch(r"s{100}\.[0-9a-f]{8}", long) and long != named("x/" + "s" * 245 + ".de")
     assert named("ä" * 120)[:-9] == "ä" * 50
+
+    # a run whose data.dir is now a loop of symbolic links is named, not a traceback (stop 70's probe:
+    # Path.resolve raised RuntimeError there, after the model loaded)
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert re.fullmatch(r"val\.[0-9a-f]{8}", _source_tag(other, "val", str(loop)))
 
 
 def test_eval_and_translate_in_bf16(tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1335,6 +1343,51 @@ def test_a_text_argument_holding_line_breaks_is_its_lines(tiny_run: Path, monkey
     assert r.returncode == 0 and r.stdout == piped.stdout and len(r.stdout.decode().splitlines()) == 3
 
 
+def test_translate_and_eval_refuse_their_input_before_importing_torch(tmp_path: Path) -> None:
+    """A mistake in an option, the run's config, a TEXT argument, eval's data or a --paired file ends
+    the command before torch is imported (2-3 s alone; over 10 s on a busy machine): TEXT arguments,
+    eval's data and --paired files, and export's options, were checked after it (stop 70: torch now
+    comes with the model)."""
+    data, run = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    run.mkdir()
+    (data / "val.de").write_text("Ein Hund.\nZwei Hunde.\n")
+    (data / "val.en").write_text("A dog.\nTwo dogs.\n")
+    (run / "config.yaml").write_text(config_text(load_config(TINY_CONFIG, [f"data.dir={data}"])))
+    (tmp_path / "one.en").write_text("a\n")
+    cases = {
+        "--beam must be from 1": ["translate", "--beam", "0", "x"],
+        "TEXT argument 1: line 1 holds a carriage return": ["translate", "a\rb"],
+        "--split takes a split name": ["eval", "--split", "../x"],
+        "no nosuch.de or nosuch.de.gz": ["eval", "--split", "nosuch"],
+        "nodir: data directory not found": ["eval", "--data-dir", str(tmp_path / "nodir")],
+        "one.en: 1 line for the 2 sentences of val": ["eval", "--split", "val", "--paired", str(tmp_path / "one.en")],
+        "export takes one --checkpoint": ["export", "--checkpoint", "a.pt", "--checkpoint", "b.pt"],
+        "--out - (standard output) cannot take an exported model": ["export", "--out", "-"],
+    }
+    argvs = [[argv[0], "--run", str(run), *argv[1:]] for argv in cases.values()]
+    program = f"import sys\nfrom mtx.cli import main\nfor argv in {argvs!r}: assert main(argv) == 1\n"
+    program += "print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=tmp_path, env=_child_env())
+    assert r.returncode == 0, r.stderr
+    errors = r.stderr.splitlines()
+    assert len(errors) == len(cases) and all(e.startswith("mtx: error: ") for e in errors), r.stderr
+    for needle, error in zip(cases, errors, strict=True):
+        assert needle in error, error
+    assert r.stdout == "False\n"  # torch not imported
+
+
+def test_a_paired_file_that_is_a_loop_of_links_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """eval resolves --paired files to find one given twice: a loop of symbolic links ended it in a
+    RuntimeError's traceback (stop 70)."""
+    (tmp_path / "loop").symlink_to("loop")
+    r = mtx_here(monkeypatch, "eval", "--run", str(tmp_path / "run"), "--paired", str(tmp_path / "loop"))
+    if sys.version_info < (3, 13):
+        assert_one_line_error(r, f"--paired {tmp_path / 'loop'}: a loop of symbolic links; pass --paired with another")
+    else:  # Python 3.13's Path.resolve leaves a loop as it is: the next mistake is the one named
+        assert_one_line_error(r, "run directory not found")
+
+
 def test_torchs_info_lines_are_held_back_before_torch_has_set_its_loggers() -> None:
     """A signal in the middle of torch's import left its loggers unset: at exit, torch's FakeTensor
     statistics (log.info in an atexit hook) printed three lines after mtx's one (stop 63)."""
@@ -1465,3 +1518,55 @@ def test_a_utf8_argument_under_an_ascii_locale_is_translated(tiny_run: Path) -> 
     under_c = subprocess.run([*args, text], capture_output=True, timeout=300, env=ascii_env)
     plain = subprocess.run(args, input=f"{text}\n".encode(), capture_output=True, timeout=300, env=_child_env())
     assert under_c.returncode == 0 and under_c.stdout == plain.stdout, under_c.stderr.decode()
+
+
+def test_decoding_options_take_their_bounds_and_refuse_the_next_value(tmp_path: Path) -> None:
+    """--beam, --length-penalty, --batch-tokens, --workers and --threads at the edges of what they
+    take, checked before torch is imported (stop 70's mutants: a bound moved by one passed every test)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(config_text(Config()))
+
+    def settings(*argv: str) -> tuple[int, float, int, int, str]:
+        args = build_parser().parse_args(["translate", "--run", str(run), *argv, "x"])
+        cfg, decoding = _settings(args)
+        assert decoding == _decode_settings(args, cfg.decode)
+        return decoding
+
+    edges = ["--beam", "1000", "--length-penalty", "10", "--batch-tokens", "1", "--workers", "0"]
+    assert settings(*edges, "--threads", str(usable_cpus())) == (1000, 10.0, 1, 0, "exact")
+    assert settings("--length-penalty", "0", "--beam", "1") == (1, 0.0, DecodeConfig().batch_tokens, 0, "exact")
+    # -0 is taken as 0 (stop 70's probe: eval's header and JSON said "-0" of a file named lp0)
+    assert str(settings("--length-penalty", "-0", "--beam", "2")[1]) == "0.0"
+    for argv, message in (
+        (["--beam", "1001"], "--beam must be from 1 to 1,000, got 1001"),
+        (["--beam", "0"], "--beam must be from 1 to 1,000, got 0"),
+        (["--length-penalty", "10.001"], "--length-penalty must be a number from 0 to 10, got 10.001"),
+        (["--length-penalty", "-0.5"], "--length-penalty must be a number from 0 to 10, got -0.5"),
+        (["--batch-tokens", "0"], "--batch-tokens must be >= 1, got 0"),
+        (["--workers", "-1"], "--workers must be >= 0 (0: auto), got -1"),
+        (["--threads", str(usable_cpus() + 1)], f"--threads must be 0 (torch's choice) to {usable_cpus()}"),
+    ):
+        with pytest.raises(MtxError, match=re.escape(message)):
+            settings(*argv)
+
+
+def test_eval_shortens_checkpoint_tags_past_100_characters_only() -> None:
+    """A tag of exactly 100 characters is kept as it is (stop 70's mutant: cut at 100)."""
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    for stem, expected in (("x" * 100, "val." + "x" * 100 + ".beam1.en"), ("x" * 101, None)):
+        args = build_parser().parse_args(["eval", "--run", "r", "--checkpoint", f"r/checkpoints/{stem}.pt"])
+        name = _hypotheses_name(args, "val", 1, "exact", cfg, cfg.decode.length_penalty)
+        if expected is None:
+            assert re.fullmatch(r"val\.ensemble1\.[0-9a-f]{8}\.beam1\.en", name), name
+        else:
+            assert name == expected
+
+
+def test_a_lone_dash_reads_standard_input(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TEXT `-` is standard input, as no TEXT is (stop 70's mutant: `-` translated as the text "-")."""
+    lines = b"Ein Hund.\nZwei Katzen.\n"
+    dash = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", "-", stdin=lines)
+    plain = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", stdin=lines)
+    assert dash.returncode == 0 and len(dash.stdout.decode().splitlines()) == 2, dash.stderr.decode()
+    assert dash.stdout == plain.stdout
