@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,34 @@ for _sig in (signal.SIGHUP, signal.SIGTERM):
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # (without pytest-timeout: no timeout, no error)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """pytest-timeout's thread method (pyproject.toml's timeout_method), saying first which test ran
+    over: the plugin's report, every thread's stack, names a function but not its parametrized case,
+    and `pytest -q` prints no names. (The signal method, SIGALRM, names it and goes on to the next
+    test, but runs only between the main thread's Python steps, and a hung mp.spawn rank then kept
+    pytest from exiting after its summary: stop 70's scratch tests.)"""
+    if settings.method != "thread":
+        return None  # the plugin's own
+    import pytest_timeout
+
+    def expired() -> None:
+        capture = item.config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:  # capsys's capture and the run's own: the line reaches the terminal
+            capture.suspend(in_=True)
+        item.config.get_terminal_writer().line(
+            f"{item.nodeid}: over the timeout of {settings.timeout:g} s; every thread's stack follows"
+        )
+        pytest_timeout.timeout_timer(item, settings)  # the stacks, then the whole run ends (os._exit(1))
+
+    timer = threading.Timer(settings.timeout, expired)
+    timer.name = f"pytest_timeout {item.nodeid}"
+    item.cancel_timeout = lambda: (timer.cancel(), timer.join())  # what the plugin's cancel hook calls
+    timer.start()
+    return True
+
 
 torch.set_num_threads(2)
 

@@ -2431,3 +2431,24 @@ def test_out_of_memory_under_an_address_space_limit_says_to_raise_it(
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
     assert "Traceback" not in err and last.startswith("mtx: error: out of memory; this process may use 3.0 GiB"), err
+
+
+def test_a_test_over_the_timeout_ends_the_run_and_is_named_first(tmp_path: Path) -> None:
+    """pytest-timeout (pyproject.toml) ends the run at a hang; conftest's hook names the test, its
+    parametrized case included, before the stacks, also where capsys holds the test's output (stop
+    70: a hang took all of CI's 90 minutes, and the plugin's report named only a function)."""
+    pytest.importorskip("pytest_timeout", exc_type=ImportError)
+    hang = tmp_path / "test_hang.py"
+    hang.write_text(
+        "import time\nimport pytest\n\n"
+        "@pytest.mark.parametrize('case', ['one'])\n"
+        "def test_sleeps(case, capsys):\n    print('held by capsys')\n    time.sleep(120)\n",
+        encoding="utf-8",
+    )
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider"]
+    command += ["-o", "timeout=2", "-o", "timeout_method=thread", str(hang)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 1, done.stdout + done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first == "test_hang.py::test_sleeps[one]: over the timeout of 2 s; every thread's stack follows", first
+    assert "Timeout" in done.stdout and "time.sleep(120)" in done.stdout
