@@ -448,10 +448,16 @@ def main() -> None:
         f"beam 5, stop finished (decode.stop): {seconds['beam 5'] / seconds['beam 5, stop finished']:.3f}x the exact "
         f"stop's speed, {against_greedy(finished_ratio)}, outputs identical for {finished_same} of {n}"
     )
+
+    def tok_per_s(name: str) -> float:
+        """A row's output tokens/s, from its own outputs and seconds (stop 70: the 1-worker keys took
+        the default layout's tokens over the 1-worker seconds, a rate no pass measured)."""
+        return round(out_tokens[name] / seconds[name], 1)
+
     bf16: dict[str, float] = {}
     if mixed_bf16:
         for key, fp32, half_name in (("greedy", "greedy", "greedy, bf16"), ("beam5", "beam 5", "beam 5, bf16")):
-            bf16[f"{key}_tok_per_s"] = round(out_tokens[half_name] / seconds[half_name], 1)
+            bf16[f"{key}_tok_per_s"] = tok_per_s(half_name)
             bf16[f"{key}_speedup"] = round(seconds[fp32] / seconds[half_name], 3)
             agree = sum(x == y for x, y in zip(outputs[fp32], outputs[half_name], strict=True))
             bf16[f"{key}_identical"] = round(agree / n, 4)
@@ -474,12 +480,10 @@ def main() -> None:
             {
                 "greedy_sent_per_s": round(n / seconds["greedy"], 2),
                 "beam5_sent_per_s": round(n / seconds["beam 5"], 2),
-                "greedy_tok_per_s": round(out_tokens["greedy"] / seconds["greedy"], 1),
-                "beam5_tok_per_s": round(out_tokens["beam 5"] / seconds["beam 5"], 1),
-                # each row's own output tokens: other threads may end a near tie otherwise (stop 70:
-                # the default layout's tokens over the 1-worker row's seconds, a rate no pass measured)
-                "greedy_tok_per_s_1_worker": round(out_tokens["greedy, 1 worker"] / seconds["greedy, 1 worker"], 1),
-                "beam5_tok_per_s_1_worker": round(out_tokens["beam 5, 1 worker"] / seconds["beam 5, 1 worker"], 1),
+                "greedy_tok_per_s": tok_per_s("greedy"),
+                "beam5_tok_per_s": tok_per_s("beam 5"),
+                "greedy_tok_per_s_1_worker": tok_per_s("greedy, 1 worker"),
+                "beam5_tok_per_s_1_worker": tok_per_s("beam 5, 1 worker"),
                 # the cache on its own: both sides decode one batch at a time
                 "beam5_cache_speedup": round(seconds["beam 5, no cache"] / seconds["beam 5, 1 worker"], 3),
                 "greedy_cache_speedup": round(seconds["greedy, no cache"] / seconds["greedy, 1 worker"], 3),
@@ -487,7 +491,7 @@ def main() -> None:
                 "beam5_slowdown_vs_greedy_per_round": [round(t["beam 5"] / t["greedy"], 3) for t in rounds],
                 "cached_equals_uncached": same,
                 "beam5_stop_finished": {
-                    "tok_per_s": round(out_tokens["beam 5, stop finished"] / seconds["beam 5, stop finished"], 1),
+                    "tok_per_s": tok_per_s("beam 5, stop finished"),
                     "slowdown_vs_greedy": round(finished_ratio, 3),
                     "identical": round(finished_same / n, 4),
                 },
