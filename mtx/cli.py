@@ -822,15 +822,20 @@ def _check_parents(option: str, path: Path) -> None:
             return
 
 
+def _resolved(option: str, path: Path) -> Path:
+    """`path.resolve()`, where a loop of symbolic links (RuntimeError before Python 3.13) is a one-line error."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # (stop 66 review, stop 70: a traceback)
+        raise MtxError(f"{option} {path}: a loop of symbolic links; pass {option} with another path") from None
+
+
 def _check_file_path(option: str, path: Path, what: str) -> None:
     """An output file's path that is a directory (the error asks for `what`), or lies under a
     regular file, is a one-line error."""
     if path.is_dir():
         raise MtxError(f"{option} {path} is a directory; give {what}")
-    try:
-        path.resolve()
-    except (OSError, RuntimeError):  # (stop 66 review: a traceback)
-        raise MtxError(f"{option} {path}: a loop of symbolic links; pass {option} with another path") from None
+    _resolved(option, path)
     if path.is_symlink() and not path.exists() and not path.resolve().parent.is_dir():
         # written through, the link would fail after the work (stop 61: after all the decoding)
         raise MtxError(f"{option} {path}: a symbolic link to {os.readlink(path)}, whose directory does not exist")
@@ -997,12 +1002,7 @@ def _check_eval_options(args: argparse.Namespace) -> None:
         )
     if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
-    resolved = []  # (a.en and x/../a.en are one file)
-    for path in args.paired:
-        try:
-            resolved.append(path.resolve())
-        except (OSError, RuntimeError):  # a loop of links: RuntimeError before Python 3.13 (stop 70: a traceback)
-            raise MtxError(f"--paired {path}: a loop of symbolic links; pass --paired with another path") from None
+    resolved = [_resolved("--paired", path) for path in args.paired]  # (a.en and x/../a.en are one file)
     repeated = next((path for i, path in enumerate(args.paired) if resolved[i] in resolved[:i]), None)
     if repeated is not None:  # (stop 69's probe: its test was printed twice without a word)
         raise MtxError(f"--paired {repeated} is given twice; give each system's output once")
