@@ -728,10 +728,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         _not_a_runs_file(args.out, f"--out {args.out}", "give a new directory for the exported model")
     # torch is imported only now: a mistake in an option is reported in a fraction of a second
     from mtx.checkpoint import load_run
-    from mtx.export import export_ctranslate2
+    from mtx.export import check_export, export_ctranslate2
 
-    run = load_run(args.run, args.checkpoint)
     out = args.out or args.run / f"ctranslate2-{args.quantization}"
+    check_export(out, args.quantization)  # before the model loads: a used --out fails at once
+    run = load_run(args.run, args.checkpoint)
     export_ctranslate2(run, out, args.quantization)
     print(json.dumps({"ctranslate2_model": str(out), "quantization": args.quantization}))
     return 0
@@ -972,12 +973,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """`mtx eval`: translate a test set with a run and print its sacreBLEU scores."""
     _check_eval_options(args)
     cfg, settings = _settings(args)
-    # the data and the other systems' outputs are checked before the model is loaded
+    # the data, the other systems' outputs and --output are checked before the model is loaded
     data = _read_eval_set(args, cfg)
     _warn_of_seen_split(args, cfg, data.name)
     samples, others = _bootstrap_and_paired(args, data)
+    output = _hypotheses_path(args, cfg, data, settings)
     run = _load(args)
-    output = _hypotheses_path(args, cfg, run, data, settings)
     text = _decode_hypotheses(args, cfg, run, data, settings, output)
     _report_scores(args, cfg, run, data, settings, output, text, others, samples)
     return 0
@@ -1109,10 +1110,9 @@ def _bootstrap_and_paired(args: argparse.Namespace, data: _EvalSet) -> tuple[int
     return samples, others
 
 
-def _hypotheses_path(
-    args: argparse.Namespace, cfg: Config, run: LoadedRun, data: _EvalSet, settings: _DecodeSettings
-) -> Path:
-    """Where eval writes its hypotheses (--output, else RUN/eval/...), checked before decoding."""
+def _hypotheses_path(args: argparse.Namespace, cfg: Config, data: _EvalSet, settings: _DecodeSettings) -> Path:
+    """Where eval writes its hypotheses (--output, else RUN/eval/...), checked before the model
+    loads (stop 71: a bad --output failed only after it had loaded)."""
     from mtx.checkpoint import checkpoint_dir, run_files
 
     source = _source_tag(args, data.name, cfg.data.dir)
@@ -1128,7 +1128,8 @@ def _hypotheses_path(
             "the --ref file": [args.ref],
             f"the {name} split's source file": [data.split_files[0]],
             f"the {name} split's reference file": [data.split_files[1]],
-            "a checkpoint": [*run.checkpoints, *checkpoint_dir(args.run).glob("*")],
+            # the --checkpoint files, else the run's default one, which lies in checkpoints/
+            "a checkpoint": [*args.checkpoint, *checkpoint_dir(args.run).glob("*")],
             "one of the run's own files": run_files(args.run),
             # the text the run was trained and validated on, in its data directory or the one
             # read (a hypotheses file replaced train.en there)

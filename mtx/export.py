@@ -227,13 +227,11 @@ def _make_staging(staging: Path) -> int | None:
     return fd
 
 
-def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float32") -> Path:
-    """Write `run`'s model, tokenizers and an info file as a CTranslate2 model directory
-    `out_dir`, which must not exist yet (or be empty)."""
+def check_export(out_dir: Path, quantization: str) -> None:
+    """What `export_ctranslate2` refuses that needs no model (the quantization, an --out in use,
+    CTranslate2 missing): mtx export checks it before it loads the model (stop 71: after)."""
     if quantization not in QUANTIZATIONS:
         raise MtxError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    if isinstance(run.model, Ensemble):
-        raise MtxError("export takes one checkpoint; average several first (mtx average) and export the average")
     if out_dir.is_symlink():  # (stop 62: refused after the conversion, naming the staging directory)
         raise MtxError(f"{out_dir} is a symbolic link (to {os.readlink(out_dir)}); give the directory itself as --out")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -246,6 +244,14 @@ def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float
         raise import_failed(
             e, "ctranslate2", "mtx export needs", "pip install ctranslate2 (or pip install 'mtx[export]')"
         ) from None
+
+
+def export_ctranslate2(run: LoadedRun, out_dir: Path, quantization: str = "float32") -> Path:
+    """Write `run`'s model, tokenizers and an info file as a CTranslate2 model directory
+    `out_dir`, which must not exist yet (or be empty)."""
+    if isinstance(run.model, Ensemble):
+        raise MtxError("export takes one checkpoint; average several first (mtx average) and export the average")
+    check_export(out_dir, quantization)
     spec = ctranslate2_spec(run.model, run.src_tok, run.tgt_tok)
     spec.optimize(quantization=quantization)
     # a failed export leaves neither the directories it made nor its staging directory, and its

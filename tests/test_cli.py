@@ -837,6 +837,8 @@ def test_eval_never_writes_over_a_file_it_reads_or_another_systems_hypotheses(
     assert own.read_bytes() == first
 
     def refused(args: list[str], message: str) -> None:
+        # checked before the model loads (stop 71: after it)
+        monkeypatch.setattr("mtx.checkpoint.load_run", lambda *a, **k: pytest.fail("loaded before the check"))
         monkeypatch.setattr("mtx.search.translate", lambda *a, **k: pytest.fail("decoded before the check"))
         assert main(args) == 1
         assert capsys.readouterr().err.strip() == f"mtx: error: {message}"
@@ -873,6 +875,11 @@ def test_eval_never_writes_over_a_file_it_reads_or_another_systems_hypotheses(
         message = f"the hypotheses file {output} is {what}; pass --output with another path"
         refused([*common, "--data-dir", str(data), "--output", str(output)], message)
         assert output.read_bytes() == before
+    outside = tmp_path / "outside.pt"  # a --checkpoint outside the run's checkpoints/
+    shutil.copyfile(run / "checkpoints" / "step_100.pt", outside)
+    message = f"the hypotheses file {outside} is a checkpoint; pass --output with another path"
+    refused([*common, "--checkpoint", str(outside), "--output", str(outside)], message)
+    assert outside.read_bytes() == (run / "checkpoints" / "step_100.pt").read_bytes()
     config = (run / "config.yaml").read_bytes()
     assert main(["average", "--run", str(run), "--last", "2", "--out", str(run / "config.yaml")]) == 1
     assert "is one of the run's own files" in capsys.readouterr().err

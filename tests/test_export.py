@@ -222,6 +222,29 @@ def test_export_refuses_links_the_working_directory_and_a_runs_names_before_conv
     assert not list((tmp_path / "empty").iterdir())
 
 
+def test_export_refuses_a_used_out_or_a_missing_ctranslate2_before_loading_the_model(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An --out in use, a dangling link as --out and a missing CTranslate2 are one line each,
+    before the checkpoint is read (stop 71: a large model loaded first, for seconds)."""
+    import mtx.checkpoint
+
+    def no_load(*args: object) -> None:
+        raise AssertionError("loaded the model before refusing")
+
+    monkeypatch.setattr(mtx.checkpoint, "load_run", no_load)
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "model.bin").write_bytes(b"x")
+    (tmp_path / "dangle").symlink_to(tmp_path / "nothere")
+    export = ["export", "--run", str(tiny_run), "--out"]
+    assert_one_line_error(mtx_here(monkeypatch, *export, str(tmp_path / "used")), "already exists and is not empty")
+    assert_one_line_error(mtx_here(monkeypatch, *export, str(tmp_path / "dangle")), "is a symbolic link")
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # as if it were not installed
+    assert_one_line_error(mtx_here(monkeypatch, *export, str(tmp_path / "new")), "pip install ctranslate2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangle", "used"]
+    assert (tmp_path / "used" / "model.bin").read_bytes() == b"x"
+
+
 def test_a_failed_export_names_its_directory_and_leaves_none(
     tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
