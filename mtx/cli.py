@@ -479,7 +479,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise MtxError("train needs --config FILE (e.g. configs/multi30k_de_en.yaml), or --run-dir DIR --resume")
         cfg = load_config(args.config, args.overrides)
     # torch is imported only now: a config error is reported in a fraction of a second
-    from mtx.train import Ranks, fit
+    from mtx.device import Ranks
+    from mtx.train import fit
 
     run_dir = args.run_dir or Path("runs") / args.config.stem
     if not args.resume:  # (stop 64: a run made at RUN/checkpoints/step_80.pt stopped RUN's training at step 80)
@@ -561,7 +562,7 @@ def _load(args: argparse.Namespace) -> LoadedRun:
     import torch
 
     from mtx.checkpoint import load_run
-    from mtx.train import pick_device, slow_bf16
+    from mtx.device import pick_device, slow_bf16
 
     set_threads(args.threads)
     device = pick_device(args.device, "--device")

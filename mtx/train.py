@@ -1,4 +1,5 @@
-"""Training: label-smoothed loss, LR schedule, mixed precision, validation, checkpoints.
+"""Training: the LR schedule, the loop, validation, checkpoints (the loss: loss.py; the device
+and precision: device.py; the run directory's checks: rundir.py).
 
 `fit` owns the loop; everything it needs to continue exactly where it stopped (model,
 optimizer, scaler, RNG states, step, epoch and batch position) goes into `last.pt`.
@@ -13,24 +14,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
-import functools
 import gc
-import hashlib
 import json
 import logging
 import math
 import os
 import random
 import re
-import shutil
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, nullcontext, suppress
+from collections.abc import Callable, Collection, Iterator
+from contextlib import ExitStack, nullcontext, suppress
 from dataclasses import asdict, dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any
@@ -41,7 +38,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from mtx import checkpoint as ckpt_io
-from mtx.config import Config, TrainConfig, config_text, to_dict, user_path
+from mtx import device as devices
+from mtx.config import Config, TrainConfig, config_text, to_dict
 from mtx.data import (
     Batch,
     ParallelIds,
@@ -55,12 +53,20 @@ from mtx.data import (
     plan_batches,
     read_lines,
     resolve_data_dir,
-    scored_text,
     split_file,
     texts,
     warn_if_validating_on_train,
     warn_of_invisible_ends,
     warn_unless_nfc,
+)
+from mtx.device import (
+    Ranks,
+    amp_dtype,
+    autocast,
+    barrier,
+    rank_device,
+    slow_bf16,
+    start_process_group,
 )
 from mtx.errors import (
     STOP_SIGNALS,
@@ -74,196 +80,37 @@ from mtx.errors import (
     named_os_errors,
     out_of_memory,
     own_command,
-    shown,
     take_signals,
     torchrun_command,
 )
 from mtx.evaluate import corpus_scores
-from mtx.model import Dropout, Seq2Seq, make_src_mask
+from mtx.loss import TokenLoss, label_smoothed_loss, training_loss
+from mtx.model import Dropout, Seq2Seq
 from mtx.plot import parent_directories, read_metrics
+from mtx.rundir import (
+    ADAM_SETTINGS,
+    PER_MACHINE,
+    PLAN_KEYS,
+    check_below_max_steps,
+    check_resumable,
+    check_run_dir,
+    check_unchanged,
+    config_changes,
+    data_digest,
+    flat_config,
+    init_source,
+    prepare_run_dir,
+    remove_contents,
+    resolve_config,
+    val_digest,
+)
 from mtx.search import DecodeOutOfMemory, translate, translate_ids
-from mtx.tokenizer import BPE, PAD, UNK, load_run_tokenizers, tokenizer_paths, train_or_load
+from mtx.tokenizer import BPE, UNK, load_run_tokenizers, train_or_load
 
 if TYPE_CHECKING:
     import datasets
 
 log = logging.getLogger(__name__)
-
-
-def pick_device(name: str, key: str = "train.device") -> torch.device:
-    """`auto` prefers cuda, then mps, then cpu; explicit names are checked (errors name `key`)."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise MtxError(f"{key}: unknown device {name!r} (use auto, cpu, cuda, cuda:N or mps)") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise MtxError(f"{key}: cuda requested but no CUDA device is available (use auto or cpu)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise MtxError(
-                f"{key}: {name} but this machine has {torch.cuda.device_count()} CUDA device(s), "
-                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
-            )
-    elif device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise MtxError(f"{key}: mps requested but this machine has no usable MPS device (use auto or cpu)")
-    elif device.type not in ("cpu", "cuda", "mps"):
-        raise MtxError(f"{key}: unsupported device {name!r} (use auto, cpu, cuda, cuda:N or mps)")
-    return device
-
-
-# Collectives wait this long for a rank before the job fails instead of hanging; the longest
-# legitimate waits are for rank 0's work alone: checkpoint writes and scoring the val translations.
-PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place in a torchrun job; rank 0 of 1 when started without torchrun."""
-
-    rank: int = 0
-    local_rank: int = 0  # rank on this machine: the CUDA device index
-    world_size: int = 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @classmethod
-    def from_env(cls) -> Ranks:
-        """RANK, LOCAL_RANK and WORLD_SIZE as torchrun sets them."""
-        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
-        try:
-            rank, local_rank, world_size = (int(os.environ.get(n, d)) for n, d in zip(names, (0, 0, 1), strict=True))
-        except ValueError:
-            raise MtxError("RANK, LOCAL_RANK and WORLD_SIZE must be integers (torchrun sets them)") from None
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise MtxError(f"RANK {rank} and WORLD_SIZE {world_size} do not fit (torchrun sets them)")
-        return cls(rank, local_rank, world_size)
-
-
-def rank_device(name: str, ranks: Ranks) -> torch.device:
-    """`pick_device`, except that under torchrun each process takes cuda:LOCAL_RANK (or the cpu)."""
-    device = pick_device(name)
-    if ranks.world_size == 1:
-        return device
-    if device.type == "cuda":
-        if name not in ("auto", "cuda"):
-            raise MtxError(f"train.device: {name} under torchrun; use cuda or auto (rank r takes cuda:LOCAL_RANK)")
-        if ranks.local_rank >= torch.cuda.device_count():
-            raise MtxError(
-                f"LOCAL_RANK {ranks.local_rank} but this machine has {torch.cuda.device_count()} CUDA device(s); "
-                "start at most that many processes per node (--nproc_per_node)"
-            )
-        return torch.device("cuda", ranks.local_rank)
-    if device.type != "cpu":
-        raise MtxError(f"train.device: distributed training runs on cuda or cpu, not {device.type}")
-    return device
-
-
-def _barrier(ranks: Ranks, device: torch.device) -> None:
-    """Wait until every rank is here (nothing to wait for in a single process)."""
-    if ranks.world_size > 1:
-        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
-
-
-def start_process_group(device: torch.device, ranks: Ranks) -> None:
-    """NCCL on CUDA, gloo on CPU; the rendezvous address comes from torchrun's environment."""
-    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
-    if missing:  # (stop 64: torch's 31-line traceback for a WORLD_SIZE left from another job)
-        raise MtxError(
-            f"WORLD_SIZE={ranks.world_size} is set but {' and '.join(missing)} not: start multi-process training "
-            "with torchrun, or unset WORLD_SIZE and RANK"
-        )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        rank=ranks.rank,
-        world_size=ranks.world_size,
-        timeout=PROCESS_GROUP_TIMEOUT,
-    )
-
-
-def amp_dtype(device: torch.device, amp: str) -> torch.dtype | None:
-    """Autocast dtype for `train.amp` on this device; None means plain fp32."""
-    if amp == "fp32":
-        return None
-    if device.type == "cuda":
-        if amp == "fp16":
-            return torch.float16
-        # bf16 where the GPU computes in it (Ampere on), else fp16 and its scaler: since torch 2.3
-        # `is_bf16_supported()` also says True where bf16 is only emulated, slowly (stop 63: a T4
-        # or V100 trained in emulated bf16, the fp16 path never taken)
-        with torch.cuda.device(device):
-            native = torch.cuda.is_bf16_supported(including_emulation=False)
-            asked = amp == "bf16" and torch.cuda.is_bf16_supported()  # emulated, if asked for by name
-        return torch.bfloat16 if native or asked else torch.float16
-    if device.type == "cpu":
-        if amp == "fp16":
-            raise MtxError("train.amp: fp16 is for CUDA; on CPU use bf16, fp32 or auto")
-        if amp == "auto" and cpu_bf16_speedup() < BF16_MIN_SPEEDUP:
-            return None
-        return torch.bfloat16
-    if amp == "fp16":  # (stop 63: trained in bf16 without a word, where CPU refused)
-        raise MtxError(f"train.amp: fp16 is for CUDA; on {device.type} use bf16, fp32 or auto")
-    return None if amp == "auto" else torch.bfloat16
-
-
-# bf16 autocast pays for its casts only where bf16 products are well ahead: training went 1.48-1.73x
-# faster on Zen 4 (products 2.5x) and 1.14-1.57x with AMX (5.5-9x), but 0.66x on a Xeon whose bf16
-# products ran at 0.55x float32's (docs/speed.md, stops 27, 35 and 45)
-BF16_MIN_SPEEDUP = 1.5
-
-
-@functools.cache
-def cpu_bf16_speedup() -> float:
-    """How many times faster this CPU multiplies in bf16 than in float32 on torch's threads
-    (best of 5 timings of a 512 x 256 x 1024 product, under 0.1 s once per process), or 0.0
-    where it has no native bf16 (AVX2: emulated, many times slower).
-
-    Native bf16 is not enough: a CPU with AVX-512 BF16 but no AMX tiles (or tiles that a
-    hypervisor hides) can run bf16 products slower than float32 ones."""
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return 0.0
-    best = {torch.float32: math.inf, torch.bfloat16: math.inf}
-    # its own generator: torch's, drawn from, moved a resumed run's dropout masks off a straight
-    # run's where `train.amp: bf16` timed here after last.pt's state was restored (stop 68's probe)
-    own = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        pairs = {
-            dtype: (torch.randn(512, 256, generator=own).to(dtype), torch.randn(1024, 256, generator=own).to(dtype))
-            for dtype in best
-        }
-        for x, w in pairs.values():
-            torch.nn.functional.linear(x, w)  # oneDNN builds its kernel on the first call
-        for _ in range(5):  # the two types alternate, so that noise on a shared machine hits both
-            for dtype, (x, w) in pairs.items():
-                start = time.perf_counter()
-                for _ in range(3):
-                    torch.nn.functional.linear(x, w)
-                best[dtype] = min(best[dtype], time.perf_counter() - start)
-    return best[torch.float32] / best[torch.bfloat16]
-
-
-def slow_bf16(device: torch.device) -> str | None:
-    """How this CPU runs bf16 products where they are slower than float32's ("emulated (no native
-    bf16)", "at 0.55x the speed of fp32"), for a warning; None where they are not, or off the CPU."""
-    speed = cpu_bf16_speedup() if device.type == "cpu" else 1.0
-    if speed >= 1:
-        return None
-    return f"at {speed:.2f}x the speed of fp32" if speed else "emulated (no native bf16)"
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager[Any]:
-    if dtype is None:
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def learning_rate(step: int, cfg: TrainConfig, d_model: int, elapsed: float = 0.0) -> float:
@@ -338,283 +185,6 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, **common)
-
-
-def label_smoothed_loss(model: Seq2Seq, batch: Batch, smoothing: float) -> torch.Tensor:
-    """Sum of label-smoothed cross-entropy over the non-padding target positions.
-
-    Only non-padding decoder states are projected to the vocabulary (the V-way projection
-    and softmax are the most expensive part of the step)."""
-    src_mask = make_src_mask(batch.src)
-    memory = model.encode(batch.src, src_mask)
-    states = model.decoder_states(batch.tgt_in, memory, src_mask)  # (B, T, D)
-    keep = batch.tgt_out != PAD
-    states, target = states[keep], model.output_columns(batch.tgt_out[keep])  # (N, D), (N,)
-    weight = model.output_weight
-    if states.device.type == "cpu" and not torch.compiler.is_compiling():
-        device = states.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else states.dtype
-        need_grad = torch.is_grad_enabled() and (states.requires_grad or weight.requires_grad)
-        return ProjectedSmoothedCrossEntropy.apply(states.to(dtype), weight.to(dtype), target, smoothing, need_grad)
-    return SmoothedCrossEntropy.apply(model.project(states), target, smoothing)  # (N, V) logits
-
-
-def rdrop_loss(model: Seq2Seq, batch: Batch, smoothing: float, alpha: float) -> torch.Tensor:
-    """R-Drop (Liang et al., 2021): the batch passes through the model twice in one forward, with
-    independent dropout masks; the loss is the mean of the two passes' summed label-smoothed
-    cross-entropies plus `alpha` / 4 times the summed symmetric KL divergence between their
-    output distributions (the paper's CE1 + CE2 + alpha / 2 (KL(P1||P2) + KL(P2||P1)), halved so
-    that the cross-entropy keeps the scale of `label_smoothed_loss`). Each step costs about twice
-    as much. On CPU the projection and loss are fused (`ProjectedRDropLoss`, in float32); elsewhere
-    the (2, N, V) log-probabilities are materialised."""
-    src, tgt_in = torch.cat([batch.src, batch.src]), torch.cat([batch.tgt_in, batch.tgt_in])
-    src_mask = make_src_mask(src)
-    states = model.decoder_states(tgt_in, model.encode(src, src_mask), src_mask)  # (2B, T, D)
-    keep = batch.tgt_out != PAD
-    states = states.unflatten(0, (2, -1))[:, keep]  # (2, N, D)
-    target = model.output_columns(batch.tgt_out[keep])[:, None]  # (N, 1)
-    weight = model.output_weight
-    if states.device.type == "cpu" and not torch.compiler.is_compiling():
-        need_grad = torch.is_grad_enabled() and (states.requires_grad or weight.requires_grad)
-        return ProjectedRDropLoss.apply(states.float(), weight.float(), target, smoothing, alpha, need_grad)
-    return _rdrop_of_logits(model.project(states), target, smoothing, alpha)
-
-
-def _rdrop_of_logits(logits: torch.Tensor, target: torch.Tensor, smoothing: float, alpha: float) -> torch.Tensor:
-    """The R-Drop loss of (2, N, V) logits of two passes and (N, 1) target columns."""
-    logp = logits.float().log_softmax(dim=-1)
-    nll = -(1.0 - smoothing) * logp.gather(2, target.expand(2, -1, -1)).sum() - smoothing * logp.mean(dim=-1).sum()
-    kl = ((logp[0].exp() - logp[1].exp()) * (logp[0] - logp[1])).sum()  # KL(P1||P2) + KL(P2||P1)
-    return nll / 2 + alpha / 4 * kl
-
-
-def training_loss(compiled: bool, rdrop: float = 0.0) -> Callable[[Seq2Seq, Batch, float], torch.Tensor]:
-    """The loss function training calls: `label_smoothed_loss` (`rdrop_loss` with weight
-    `rdrop` > 0), or with `train.compile` that function compiled with the model inside
-    (compiling the model alone would compile only `forward`, which training does not call).
-    scripts/bench_train.py times this same object."""
-    loss = label_smoothed_loss if rdrop == 0 else functools.partial(rdrop_loss, alpha=rdrop)
-    return torch.compile(loss) if compiled else loss
-
-
-def _smoothed_block_loss(lse: torch.Tensor, picked: torch.Tensor, mean: torch.Tensor, eps: float) -> torch.Tensor:
-    """Summed smoothed loss of a block of rows from its logsumexp, target logit and mean logit."""
-    return ((1.0 - eps) * (lse - picked) + eps * (lse - mean)).sum()
-
-
-def _smoothed_block_grad_(probs: torch.Tensor, target: torch.Tensor, eps: float, scale: float = 1.0) -> None:
-    """(R, V) softmax -> in place, the loss gradient: softmax minus (`scale` times) the smoothed
-    one-hot of (R, 1) target."""
-    probs.sub_(scale * eps / probs.shape[1]).scatter_add_(
-        1, target, torch.full(target.shape, scale * (eps - 1.0), dtype=probs.dtype, device=probs.device)
-    )
-
-
-def _loss_block_rows(device: torch.device) -> int:
-    """Rows per block of `SmoothedCrossEntropy`: 128 on the CPU, where an (R, V) block stays in
-    cache; elsewhere a few large blocks, since each block costs a handful of kernel launches."""
-    return 128 if device.type == "cpu" else 8192
-
-
-class SmoothedCrossEntropy(torch.autograd.Function):
-    """Sum of label-smoothed cross-entropy of (N, V) logits, fused and chunked over rows.
-
-    Same value and gradient as `F.cross_entropy(logits.float(), target, label_smoothing=eps,
-    reduction="sum")`, but each block of rows is upcast, reduced and differentiated while it is
-    in cache, and the gradient (softmax - smoothed one-hot) is written once in the logits' dtype:
-    the unfused version makes about ten full passes over the N x V matrix."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> torch.Tensor:
-        ctx.smoothing = smoothing
-        if torch.compiler.is_compiling():  # `train.compile`: one functional block (see `_compiled_grad`)
-            with torch.autocast(logits.device.type, enabled=False):
-                z = logits.float()
-                lse = torch.logsumexp(z, dim=-1)
-                total = _smoothed_block_loss(lse, z.gather(1, target[:, None]).squeeze(1), z.mean(dim=-1), smoothing)
-            ctx.save_for_backward(logits, target, lse)
-            return total
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        block = _loss_block_rows(logits.device)
-        with torch.autocast(logits.device.type, enabled=False):
-            for i in range(0, logits.shape[0], block):
-                z = logits[i : i + block].float()  # (R, V)
-                rows_lse = torch.logsumexp(z, dim=-1)
-                lse[i : i + block] = rows_lse
-                picked = z.gather(1, target[i : i + block, None]).squeeze(1)
-                total += _smoothed_block_loss(rows_lse, picked, z.mean(dim=-1), smoothing)
-        ctx.save_for_backward(logits, target, lse)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, target, lse = ctx.saved_tensors
-        eps = ctx.smoothing
-        if torch.compiler.is_compiling():
-            return SmoothedCrossEntropy._compiled_grad(logits, target, lse, eps, grad), None, None
-        out = torch.empty_like(logits)
-        in_place = logits.dtype == torch.float32  # softmax in `out` itself: no (R, V) temporaries (1.4x)
-        block = _loss_block_rows(logits.device)
-        with torch.autocast(logits.device.type, enabled=False):
-            for i in range(0, logits.shape[0], block):
-                rows = slice(i, i + block)
-                if in_place:
-                    p = torch.sub(logits[rows], lse[rows, None], out=out[rows]).exp_()  # softmax (R, V)
-                else:
-                    p = torch.exp(logits[rows].float() - lse[rows, None])
-                _smoothed_block_grad_(p, target[rows, None], eps)
-                p.mul_(grad)
-                if not in_place:
-                    out[rows] = p
-        return out, None, None
-
-    @staticmethod
-    def _compiled_grad(
-        logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, eps: float, grad: torch.Tensor
-    ) -> torch.Tensor:
-        """The gradient as `torch.compile` traces it: whole, with no writes into slices of a
-        buffer. Traced, the blocked version's writes into `out[rows]` gave wrong gradients (zeros)
-        under torch 2.11 on the CPU in fp32 (its inductor has known wrong gradients around slice
-        writes); inductor fuses and tiles this form itself."""
-        with torch.autocast(logits.device.type, enabled=False):
-            p = torch.exp(logits.float() - lse[:, None])
-            _smoothed_block_grad_(p, target[:, None], eps)
-            return (p * grad).to(logits.dtype)
-
-
-class ProjectedSmoothedCrossEntropy(torch.autograd.Function):
-    """`SmoothedCrossEntropy` of the logits `states @ weight.T`, computed block by block of rows
-    so that the (N, V) logits never exist whole (CPU).
-
-    Each block's logits go into one reused (R, V) buffer and are reduced and turned into the
-    gradient in place while in cache; the gradients of `states` and `weight` are computed in the
-    forward (the loss is the last node of the graph) and scaled in the backward. Materialising
-    the (N, V) logits and their gradient instead meant two fresh ~130 MB buffers per step, whose
-    first touch (page faults) cost more than the arithmetic on them."""
-
-    ROWS = 256
-
-    @staticmethod
-    def forward(
-        ctx: Any, states: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, smoothing: float, need_grad: bool
-    ) -> torch.Tensor:
-        n, vocab = states.shape[0], weight.shape[0]
-        rows = ProjectedSmoothedCrossEntropy.ROWS
-        total = torch.zeros((), dtype=torch.float32, device=states.device)
-        d_states = torch.empty_like(states) if need_grad else None
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
-        buffer = torch.empty(min(rows, n), vocab, dtype=states.dtype, device=states.device)
-        with torch.autocast(states.device.type, enabled=False):
-            for i in range(0, n, rows):
-                h, t = states[i : i + rows], target[i : i + rows, None]  # (R, D), (R, 1)
-                z = torch.mm(h, weight.t(), out=buffer[: h.shape[0]]).float()  # (R, V) logits
-                picked, mean, top = z.gather(1, t), z.mean(dim=-1, keepdim=True), z.amax(dim=-1, keepdim=True)
-                e = z.sub_(top).exp_()  # in place: logsumexp would allocate an (R, V) temporary
-                norm = e.sum(dim=-1, keepdim=True)
-                lse = top + norm.log()
-                total += _smoothed_block_loss(lse, picked, mean, smoothing)
-                if d_states is None or d_weight is None:
-                    continue
-                g = e.div_(norm)  # softmax
-                _smoothed_block_grad_(g, t, smoothing)
-                g = g.to(states.dtype)
-                torch.mm(g, weight, out=d_states[i : i + rows])
-                if d_weight.dtype == g.dtype:
-                    d_weight.addmm_(g.t(), h)
-                else:  # low precision: products in it, the sum over blocks in float32
-                    d_weight += torch.mm(g.t(), h)
-        ctx.save_for_backward(d_states, d_weight)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
-        d_states, d_weight = ctx.saved_tensors
-        if d_states is None:
-            raise RuntimeError("ProjectedSmoothedCrossEntropy was called with need_grad=False")
-        return d_states * grad.to(d_states.dtype), (d_weight * grad).to(d_states.dtype), None, None, None
-
-
-class ProjectedRDropLoss(torch.autograd.Function):
-    """`rdrop_loss` of (2, N, D) float32 states of two passes and a (V, D) output weight, fused
-    block by block of rows on CPU like `ProjectedSmoothedCrossEntropy` (the unfused loss over
-    materialised (2, N, V) log-probabilities made a d_model 128 step 3.7x as slow as without R-Drop).
-
-    With log-probabilities l1, l2, probabilities p1, p2, d = l1 - l2 and the symmetric KL
-    sum(p1 - p2) * d, the gradient of the KL term with respect to the first pass's logits is
-    p1 * (d - E_p1[d]) + (p1 - p2), and with respect to the second's -p2 * (d - E_p2[d]) - (p1 - p2)."""
-
-    ROWS = 256
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        states: torch.Tensor,
-        weight: torch.Tensor,
-        target: torch.Tensor,
-        smoothing: float,
-        alpha: float,
-        need_grad: bool,
-    ) -> torch.Tensor:
-        n, vocab = states.shape[1], weight.shape[0]
-        rows, a4 = ProjectedRDropLoss.ROWS, alpha / 4
-        total = torch.zeros((), dtype=torch.float32, device=states.device)
-        d_states = torch.empty_like(states) if need_grad else None
-        d_weight = torch.zeros_like(weight) if need_grad else None
-        l1, l2, p1, p2, g = (torch.empty(min(rows, n), vocab, device=states.device) for _ in range(5))
-        with torch.autocast(states.device.type, enabled=False):
-            for i in range(0, n, rows):
-                h1, h2, t = states[0, i : i + rows], states[1, i : i + rows], target[i : i + rows]
-                r = h1.shape[0]
-                a, b, q1, q2, gr = l1[:r], l2[:r], p1[:r], p2[:r], g[:r]
-                for h, z, q in ((h1, a, q1), (h2, b, q2)):  # z <- log-softmax of the logits, q <- softmax
-                    torch.mm(h, weight.t(), out=z)
-                    z.sub_(z.amax(dim=-1, keepdim=True))  # shifted logits: their logsumexp is log(norm)
-                    picked, mean = z.gather(1, t), z.mean(dim=-1, keepdim=True)
-                    norm = torch.exp(z, out=q).sum(dim=-1, keepdim=True)
-                    lse = norm.log()
-                    total += _smoothed_block_loss(lse, picked, mean, smoothing) / 2
-                    z.sub_(lse)
-                    q.div_(norm)
-                a.sub_(b)  # d = l1 - l2
-                torch.sub(q1, q2, out=b)  # delta = p1 - p2
-                total += a4 * torch.dot(a.view(-1), b.view(-1))
-                if d_states is None or d_weight is None:
-                    continue
-                for q, sign, h, k in ((q1, 1.0, h1, 0), (q2, -1.0, h2, 1)):
-                    expect = torch.bmm(q[:, None, :], a[:, :, None]).view(r, 1)  # E_q[d]
-                    torch.sub(a, expect, out=gr).mul_(sign * a4).add_(0.5).mul_(q).add_(b, alpha=sign * a4)
-                    _smoothed_block_grad_(gr, t, smoothing, scale=0.5)  # the two cross-entropies' half
-                    torch.mm(gr, weight, out=d_states[k, i : i + rows])
-                    d_weight.addmm_(gr.t(), h)
-        ctx.save_for_backward(d_states, d_weight)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None, None, None]:
-        d_states, d_weight = ctx.saved_tensors
-        if d_states is None:
-            raise RuntimeError("ProjectedRDropLoss was called with need_grad=False")
-        return d_states * grad, d_weight * grad, None, None, None, None
-
-
-class TokenLoss(torch.nn.Module):
-    """A Seq2Seq and its summed label-smoothed loss as one module.
-
-    DistributedDataParallel synchronises the gradients of what its wrapped module's forward
-    computed, so the loss, not only the logits, has to come out of a forward. The batch passes
-    through DDP unchanged (it must already be on the device)."""
-
-    def __init__(
-        self, model: Seq2Seq, loss_fn: Callable[[Seq2Seq, Batch, float], torch.Tensor], smoothing: float
-    ) -> None:
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-        self.smoothing = smoothing
-
-    def forward(self, batch: Batch) -> torch.Tensor:
-        return self.loss_fn(self.model, batch, self.smoothing)
 
 
 @dataclass
@@ -1044,7 +614,7 @@ class Trainer:
 
     # -- collectives (no-ops in a single process) ---------------------------------------------
     def _barrier(self) -> None:
-        _barrier(self.ranks, self.device)
+        barrier(self.ranks, self.device)
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
         """Element-wise sum of a few numbers over the ranks (float64 keeps token counts exact)."""
@@ -1080,8 +650,8 @@ class Trainer:
         55: a `--set train.max_steps` given on one machine only hung the job at that rank's end)."""
         if self.ranks.world_size == 1:
             return
-        main, mine = _flat(self._object_from_main(to_dict(self.cfg))), _flat(to_dict(self.cfg))
-        differ = [key for key, value in main.items() if key not in _PER_MACHINE and mine.get(key) != value]
+        main, mine = flat_config(self._object_from_main(to_dict(self.cfg))), flat_config(to_dict(self.cfg))
+        differ = [key for key, value in main.items() if key not in PER_MACHINE and mine.get(key) != value]
         same = "give every process the same config and --set"
         self._all_stop_where(
             ConfigError(f"rank {self.ranks.rank}'s config differs from rank 0's at {', '.join(differ)}; {same}")
@@ -1221,7 +791,7 @@ class Trainer:
         A CPU without native bf16 (emulated: many times slower) goes on in fp32."""
         if saved is None or self.cfg.train.amp != "auto" or self.device.type != "cpu":
             return
-        keep = torch.bfloat16 if saved == "bf16" and cpu_bf16_speedup() > 0 else None
+        keep = torch.bfloat16 if saved == "bf16" and devices.cpu_bf16_speedup() > 0 else None
         self.amp_resumed = True
         if keep != self.amp:
             log.info("train.amp auto: going on in %s, as the run was trained", saved if keep else "fp32")
@@ -1232,7 +802,7 @@ class Trainer:
         load_state_dict puts back the saved betas, eps and weight decay (stop 64: `--resume --set
         train.weight_decay=0.1` was written to config.yaml and never used). The rate is set at
         every step; `config_changes` logs what changed."""
-        settings = [{key: group[key] for key in _ADAM_SETTINGS.values()} for group in self.optimizer.param_groups]
+        settings = [{key: group[key] for key in ADAM_SETTINGS.values()} for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state)
         for group, own in zip(self.optimizer.param_groups, settings, strict=True):
             group.update(own)
@@ -1245,8 +815,8 @@ class Trainer:
         missing = [k for k in ("optimizer", "scaler", "rng", "state", "config") if k not in ckpt]
         if missing:
             raise CheckpointError(f"{path}: holds weights only (no {', '.join(missing)}); resuming needs a last.pt")
-        _check_resumable(ckpt, path)
-        _check_unchanged(ckpt["config"], self.cfg, path, "val_digest" in ckpt)
+        check_resumable(ckpt, path)
+        check_unchanged(ckpt["config"], self.cfg, path, "val_digest" in ckpt)
         # what the validation at last.pt's step wrote beside it, by the settings it ran with
         saved_keep = ckpt["config"].get("train", {}).get("keep_last")
         self.saved_with = {"step": isinstance(saved_keep, int) and saved_keep > 0, "ema": "ema" in ckpt}
@@ -1296,7 +866,7 @@ class Trainer:
             # rank 0 reads metrics.jsonl for every rank (stop 68's probe: under torchrun its step was taken)
             validated = self._validated_before_54() if self.ranks.is_main else None
             self.state.validated_step = self._object_from_main(validated)
-        _check_below_max_steps(self.state.step, self.cfg, path)
+        check_below_max_steps(self.state.step, self.cfg, path)
         if not same_ranks and self.ranks.rank:
             torch.manual_seed(rank_seed(self.cfg.train.seed, self.ranks.rank, self.state.step))
         elif self.ranks.rank and self.device.type == "cuda" and "cuda" not in restored:
@@ -1311,7 +881,7 @@ class Trainer:
             log.info("the run was trained on %d rank(s), continues on %d", old, self.ranks.world_size)
         saved, st, tc = ckpt["config"], self.state, self.cfg.train
         changes = config_changes(saved, self.cfg)
-        changed = [f"{section}.{key}" for section, key in _PLAN_KEYS if f"{section}.{key}" in changes]
+        changed = [f"{section}.{key}" for section, key in PLAN_KEYS if f"{section}.{key}" in changes]
         if ckpt.get("data_digest", self.data_digest) != self.data_digest:  # (stop 54: went on at the old position)
             changed.append("the training data")
         if self.synthetic is not None and not tc.diversify:  # (stop 53: they stayed in every later epoch)
@@ -2025,11 +1595,11 @@ class Trainer:
         )
         n_params = sum(p.numel() for p in self.model.parameters())
         precision = str(self.amp).replace("torch.", "") if self.amp else "fp32"
-        if tc.amp == "auto" and self.device.type == "cpu" and cpu_bf16_speedup() > 0:
+        if tc.amp == "auto" and self.device.type == "cpu" and devices.cpu_bf16_speedup() > 0:
             # a resumed run keeps its precision: the timing no longer chose it (stop 55: "bf16 (... 0.82x
             # as fast as fp32)" read as a choice against the timing)
             why = "as the run was trained; " if self.amp_resumed else ""
-            speed = f"bf16 products {cpu_bf16_speedup():.2f}x as fast as fp32 on this CPU"
+            speed = f"bf16 products {devices.cpu_bf16_speedup():.2f}x as fast as fp32 on this CPU"
             precision += f" (train.amp auto: {why}{speed})"
         log.info(
             "device %s, precision %s, %d parameters, %d training pairs, %d val sentences, padding %.1f%%",
@@ -2366,265 +1936,6 @@ def _thread_count(threads: int) -> int:
     return min(threads, cpus)
 
 
-def _remove_contents(run_dir: Path, keep_dir: bool) -> None:
-    """Undo a failed start in a directory that it found missing or empty (no checkpoint yet)."""
-    if not keep_dir:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        return
-    for path in run_dir.iterdir():
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-
-
-def data_digest(*columns: Sequence[str]) -> str:
-    """A short hash of the training texts (each column's lines in order), stored in last.pt: the
-    data a run's epochs were planned over. Stop 54: a resume on a replaced train split, or another
-    data.dir, went on at the old plan's position in a plan of other pairs."""
-    digest = hashlib.sha256()
-    for column in columns:
-        digest.update(b"%d\n" % len(column))
-        digest.update("\n".join(column).encode("utf-8"))
-    return digest.hexdigest()[:16]
-
-
-def val_digest(cfg: Config, valid_src: Sequence[str], valid_tgt: Sequence[str], valid_refs: Sequence[str]) -> str:
-    """A short hash of the val pairs that val BLEU is scored on (the first `train.eval_sentences`),
-    stored in the run's checkpoints: a resume on other val pairs would compare their BLEU with
-    best.pt's, scored on the old ones. The references count as they are scored (`valid_refs`,
-    `read_lines(as_scored=True)`; their whitespace ends aside, which sacreBLEU's tokenizers drop)
-    where that is not as the model reads them (stop 65: references that differed in invisible ends
-    alone, which move BLEU, passed as the same; where they are the same, the hash is that of the
-    runs before: Multi30k's val.fr has lines that start with a space)."""
-    n_val = cfg.train.eval_sentences or len(valid_src)
-    src, tgt, refs = valid_src[:n_val], valid_tgt[:n_val], scored_text(valid_refs[:n_val])
-    return data_digest(src, tgt) if refs == list(tgt) else data_digest(src, tgt, refs)
-
-
-def _check_same_val(last: dict[str, Any], digest: str, cfg: Config, run_dir: Path, path: Path) -> None:
-    """Refuse a resume whose val pairs differ from those best.pt was chosen on (a last.pt saved
-    before its digest was kept is not checked). A changed data.dir with other val files replaced
-    best.pt by a checkpoint that was not better on the same data."""
-    saved = last.get("val_digest")
-    if saved is None or saved == digest:
-        return
-    data = last.get("config", {}).get("data", {})
-    old_dir = data.get("dir") if isinstance(data, dict) else None
-    old_n = last.get("config", {}).get("train", {}).get("eval_sentences")
-    # the new run's command, quoted and starting mtx as it was started (stop 63: a bare `mtx` and
-    # unquoted paths, which a run directory with a space or quote in its name broke)
-    start = [*own_command(), "train", "--config", run_dir / ckpt_io.CONFIG_FILE, "--run-dir", "NEW"]
-    if old_n is not None and old_n != cfg.train.eval_sentences:
-        what = f"train.eval_sentences is {cfg.train.eval_sentences}, the run validated on {old_n}"
-        keep = f"resume with --set train.eval_sentences={old_n}"
-        start += ["--set", f"train.eval_sentences={cfg.train.eval_sentences}"]
-    else:
-        if old_dir is not None and old_dir != cfg.data.dir:
-            what = f"data.dir is {cfg.data.dir}, the run validated in {old_dir}"
-        else:
-            what = f"the {cfg.data.valid_split} files in {cfg.data.dir} changed"
-        keep = "resume on the run's own val files"
-        start += ["--set", f"data.dir={cfg.data.dir}"]
-    raise CheckpointError(
-        f"{path}: the val pairs differ from those best.pt was chosen on ({what}), so their BLEU cannot be "
-        f"compared with best.pt's; {keep}, or start a new run from it: "
-        f"{command_line(*start, '--set', f'train.init_from={run_dir}')}"
-    )
-
-
-def unfinished_start(run_dir: Path) -> bool:
-    """Whether `run_dir` holds a start that ended before its first checkpoint (killed with
-    `kill -9`, or a machine that went down, while the tokenizer trained): a config.yaml, and
-    neither a checkpoint nor a metrics.jsonl (opened after the first save), so nothing trained
-    and no learning curve to lose."""
-    return (
-        (run_dir / ckpt_io.CONFIG_FILE).is_file()
-        and not (run_dir / "metrics.jsonl").exists()
-        and not any(ckpt_io.checkpoint_dir(run_dir).glob("*.pt"))
-    )
-
-
-def check_run_dir(run_dir: Path, resume: bool) -> None:
-    """Refuse to overwrite another run, or to resume one that has no last.pt; writes nothing.
-
-    A start that ended before its first checkpoint (`unfinished_start`) may be started again in
-    its directory, with its own config or another one."""
-    config_path = run_dir / ckpt_io.CONFIG_FILE
-    if resume:
-        if (ckpt_io.checkpoint_dir(run_dir) / "last.pt").is_file():
-            return
-        if not run_dir.is_dir() or unfinished_start(run_dir) or not config_path.is_file():
-            start = command_line(*own_command(), "train", "--config", config_path, "--run-dir", run_dir)
-            raise MtxError(f"{run_dir}: nothing to resume (no checkpoints/last.pt); start it again with: {start}")
-        # a run that trained, and lost last.pt: starting it again in place is refused below, so the
-        # advice is a new run from what is left (stop 54: each error sent the user to the other)
-        # best.pt, else the newest step (stop 69's probe: directory order named step_30 before step_40)
-        best, steps = ckpt_io.checkpoint_dir(run_dir) / "best.pt", ckpt_io.step_checkpoints(run_dir)[::-1]
-        others = sorted(p for p in ckpt_io.checkpoint_dir(run_dir).glob("*.pt") if p != best and p not in steps)
-        kept = [best] * best.is_file() + steps + others
-        missing = f"{run_dir}: cannot resume: checkpoints/last.pt is missing"
-        if not kept:
-            raise MtxError(f"{missing}; train it again in a new --run-dir")
-        start = command_line(
-            *own_command(), "train", "--config", config_path, "--run-dir", "NEW", "--set", f"train.init_from={kept[0]}"
-        )
-        raise MtxError(f"{missing}; to train on, start a new run from one: {start}")
-    for path in (run_dir, *run_dir.parents):  # (mkdir said only "File exists")
-        if path.is_symlink() and not path.exists():
-            raise MtxError(
-                f"{path}: a symbolic link to {os.readlink(path)}, which does not exist; create that directory "
-                "or choose another --run-dir"
-            )
-    if run_dir.exists() and not run_dir.is_dir():
-        raise MtxError(f"{run_dir}: exists and is not a directory; choose another --run-dir")
-    if run_dir.exists() and any(run_dir.iterdir()) and not unfinished_start(run_dir):
-        if not config_path.is_file():
-            raise MtxError(f"{run_dir}: directory holds other files, not an mtx run; choose a new or empty --run-dir")
-        raise MtxError(
-            f"{run_dir}: run directory already holds a run; continue it with --resume or choose a new --run-dir"
-        )
-
-
-def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, val: str | None = None) -> dict[str, Any] | None:
-    """Check the run directory; for a new run, create it and write the resolved config (and, with
-    `train.init_from`, copy the other run's tokenizer into it).
-
-    On resume nothing is written here: `fit` records the config only once the checkpoint has
-    been restored, so a failed resume changes nothing. The --set changes a resume refuses are
-    found here, before train.log is opened (stop 55: the data's log lines were written to it);
-    the last.pt read for them is returned, for the restore to use rather than read it again.
-    `val`: the `val_digest` of the val pairs a resume would validate on, checked against last.pt's."""
-    check_run_dir(run_dir, resume)
-    if resume:
-        metrics = run_dir / "metrics.jsonl"  # read, trimmed and appended to: checked before anything is written
-        if (metrics.exists() or metrics.is_symlink()) and not metrics.is_file():
-            raise MtxError(f"{metrics}: not a file; the run's metrics are appended there: move it away, then resume")
-        path = ckpt_io.checkpoint_dir(run_dir) / "last.pt"
-        last = ckpt_io.load_checkpoint(path)
-        _check_resumable(last, path)
-        _check_unchanged(last.get("config", {}), cfg, path, val is not None and "val_digest" in last)
-        if val is not None:
-            _check_same_val(last, val, cfg, run_dir, path)
-        _check_below_max_steps(last.get("state", {}).get("step", 0), cfg, path)
-        return last
-    source = init_source(cfg)
-    if run_dir.is_dir() and unfinished_start(run_dir):
-        previous = (run_dir / ckpt_io.CONFIG_FILE).read_text(encoding="utf-8", errors="replace")
-        if previous != config_text(cfg):
-            note = "%s held a start that ended before its first checkpoint, with another config: starting anew"
-            log.warning(note, run_dir)
-        for path in ckpt_io.run_files(run_dir):  # what a start writes before its first save
-            path.unlink(missing_ok=True)
-        shutil.rmtree(ckpt_io.checkpoint_dir(run_dir), ignore_errors=True)  # no .pt: temporary files at most
-    run_dir.mkdir(parents=True, exist_ok=True)
-    paths = tokenizer_paths(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
-    for path in set(paths):
-        path.unlink(missing_ok=True)  # a failed start's tokenizer may be torn: train it again
-    if source is not None:  # the weights belong to the other run's pieces: its tokenizer, not a new one
-        originals = tokenizer_paths(source[0], cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
-        for original, path in set(zip(originals, paths, strict=True)):
-            ckpt_io.atomic_write_text(path, original.read_text(encoding="utf-8"))
-    ckpt_io.atomic_write_text(run_dir / ckpt_io.CONFIG_FILE, config_text(cfg))
-    return None
-
-
-def resolve_config(cfg: Config) -> Config:
-    """The config as the run will record it: `data.dir` replaced by the directory actually used."""
-    return replace(cfg, data=replace(cfg.data, dir=str(resolve_data_dir(cfg.data))))
-
-
-# keys an epoch's batch plan depends on (besides the rank count): changed by --resume mid-epoch,
-# the run goes on from the next epoch
-_PLAN_KEYS = (
-    ("train", "seed"),
-    ("train", "batch_tokens"),
-    ("data", "max_len"),
-    ("data", "train_split"),
-    ("data", "extra_src_langs"),
-)
-
-# the Adam settings a resume may change: config key -> parameter group key
-_ADAM_SETTINGS = {"adam_betas": "betas", "adam_eps": "eps", "weight_decay": "weight_decay"}
-
-_FIXED_ON_RESUME = {  # keys that the tokenizer, the weights or the optimizer state depend on
-    "tokenizer": tuple(to_dict(Config())["tokenizer"]),
-    "model": tuple(k for k in to_dict(Config())["model"] if "dropout" not in k),
-    "data": ("src_lang", "tgt_lang", "valid_split"),
-    # the optimizer state holds its parameter groups; init_from starts a new run only (stop 55: set on
-    # resume, it was recorded in config.yaml and never read); best.pt's val BLEU is of the val
-    # sentences it was scored on (stop 55: 2 sentences' 3.51 beat 100 sentences' 2.90)
-    "train": ("optimizer", "init_from", "eval_sentences"),
-    # and of the outputs' length cap it was scored under (stop 66: a cap of 3 pieces set on resume
-    # scored 0.00 while the val loss fell, and best.pt stayed at the old cap's best)
-    "decode": ("max_len_a", "max_len_b"),
-}
-
-
-def config_changes(saved: dict[str, Any], cfg: Config) -> dict[str, tuple[Any, Any]]:
-    """Dotted key -> (its value in last.pt's config `saved`, its value in `cfg`) for every key that a
-    resume changes, in the config's order: the run trained with the old values up to the resume.
-    A key that an older mtx's last.pt lacks trained as its default (stop 64: every run saved
-    before data.extra_src_langs went on from the next epoch, "data.extra_src_langs changed")."""
-    default = to_dict(Config())
-    return {
-        f"{section}.{key}": (old, value)
-        for section, values in to_dict(cfg).items()
-        for key, value in values.items()
-        if (old := saved.get(section, {}).get(key, default[section][key])) != value
-    }
-
-
-def _check_resumable(last: dict[str, Any], path: Path) -> None:
-    """A last.pt's config and training position of the right shapes (stop 64: a hand-edited one,
-    that every load check passed, ended a resume in a traceback)."""
-    config, state = last.get("config", {}), last.get("state", {})
-    if not isinstance(config, dict) or not all(isinstance(section, dict) for section in config.values()):
-        raise CheckpointError(f"{path}: its config is not a mapping of sections; is this a last.pt of mtx train?")
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: its training state is not a mapping; is this a last.pt of mtx train?")
-    for key in ("step", "epoch", "batch"):
-        value = state.get(key, 0)
-        if type(value) is not int or value < 0:
-            raise CheckpointError(f"{path}: its training state's {key} is {shown(value)}, not a count; is it damaged?")
-    rng = last.get("rng")
-    if isinstance(rng, dict) and "torch" in rng and "numpy" not in rng:  # (stop 65: "KeyError: 'numpy'")
-        raise CheckpointError(
-            f"{path}: saved by an early mtx, before numpy's random state was kept, so it cannot be resumed "
-            "exactly; start a new run"
-        )
-
-
-def _check_unchanged(saved: dict[str, Any], cfg: Config, path: Path, val_digest_kept: bool = False) -> None:
-    """On resume, refuse --set changes to keys the weights, tokenizer, optimizer state or best.pt's
-    comparisons depend on. Where last.pt keeps the val pairs' digest, it decides on
-    train.eval_sentences (`_check_same_val`): 0 and 5,000 of 1,014 val pairs are the same pairs."""
-    # a key an older mtx's last.pt lacks trained as its default, as `config_changes` takes it (stop 67:
-    # it was passed over, and `--set model.fix_norm=true` turned FixNorm on for a trained model)
-    changes = config_changes(saved, cfg)
-    for section, keys in _FIXED_ON_RESUME.items():
-        if not isinstance(saved.get(section), dict):  # a section it lacks whole: not an older mtx's
-            continue
-        for key in keys:
-            if val_digest_kept and (section, key) == ("train", "eval_sentences"):  # (stop 62: refused)
-                continue
-            if f"{section}.{key}" in changes:
-                old, new = changes[f"{section}.{key}"]
-                raise CheckpointError(
-                    f"{path}: --resume cannot change {section}.{key} (the run was trained with {old!r}, "
-                    f"now {new!r}); start a new run for that"
-                )
-
-
-# keys whose values may differ between the machines of one job: where each keeps the data, its cores
-_PER_MACHINE = frozenset({"data.dir", "train.threads"})
-
-
-def _flat(tree: dict[str, Any]) -> dict[str, Any]:
-    """{"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}."""
-    return {f"{section}.{key}": value for section, keys in tree.items() for key, value in keys.items()}
-
-
 def progress_bar(seconds_left: Callable[[], float] | None, **options: Any) -> Any:
     """A tqdm bar of steps whose time left is at most `seconds_left()`, what train.max_minutes
     leaves, where that ends the run before the bar's total (stop 64: it counted to max_steps, 1:29:32
@@ -2768,67 +2079,6 @@ class RunLog(logging.FileHandler):
             self.handleError(None)
 
 
-def _check_below_max_steps(step: int, cfg: Config, path: Path) -> None:
-    """A resume past train.max_steps is a mistake, not a run to end: refused before anything is written."""
-    if step > cfg.train.max_steps:
-        raise MtxError(
-            f"{path}: the run is at step {step}, past train.max_steps={cfg.train.max_steps}; "
-            "resume with a larger train.max_steps (the run is unchanged)"
-        )
-
-
-# keys the copied tokenizer and the loaded weights depend on: a run started from another must share them
-_SAME_AS_INIT = {section: keys for section, keys in _FIXED_ON_RESUME.items() if section not in ("train", "decode")}
-_SAME_AS_INIT["tokenizer"] = tuple(k for k in _SAME_AS_INIT["tokenizer"] if k != "bpe_dropout")
-_SAME_AS_INIT["data"] = ("src_lang", "tgt_lang")  # a run started from another may validate elsewhere
-
-
-def init_source(cfg: Config) -> tuple[Path, Path] | None:
-    """`train.init_from` as (the other run's directory, the checkpoint to start from), checked
-    against `cfg` without writing anything; None when it is not set."""
-    if not cfg.train.init_from:
-        return None
-    path = user_path(cfg.train.init_from, "train.init_from")
-    # where it is, not how it was written: `best.pt` given inside RUN/checkpoints was taken for a
-    # file outside a run's checkpoints/ (its parent's parent compared as the relative `.`); a linked
-    # checkpoint file stays the file of the run it is linked from
-    full = path.resolve() if path.is_dir() else path.parent.resolve() / path.name
-    if path.is_dir() and full.name == "checkpoints" and (full.parent / ckpt_io.CONFIG_FILE).is_file():
-        raise MtxError(
-            f"train.init_from: {path} is a run's checkpoints directory; give the run directory ({full.parent}) "
-            f"or one checkpoint file in it ({full / 'best.pt'})"
-        )
-    if path.is_dir():
-        run_dir = full
-        checkpoint = ckpt_io.default_checkpoint(run_dir)
-        if checkpoint is None:
-            if not (run_dir / ckpt_io.CONFIG_FILE).is_file():  # (stop 69's review: "train it first" of no run)
-                raise MtxError(f"train.init_from: {path} is not a run directory (no config.yaml) nor a checkpoint")
-            raise MtxError(f"train.init_from: {ckpt_io.no_checkpoint(path)}")
-    elif path.is_file() and full.parent.name == "checkpoints":
-        checkpoint, run_dir = full, full.parent.parent  # RUN/checkpoints/NAME.pt
-    elif path.is_file():
-        raise MtxError(
-            f"train.init_from: {path} is a file outside a run's checkpoints/; give a run directory or "
-            "RUN/checkpoints/NAME.pt"
-        )
-    else:
-        raise MtxError(f"train.init_from: {path} not found; give a run directory or a checkpoint file of one")
-    saved = to_dict(ckpt_io.load_run_config(run_dir))
-    now = to_dict(cfg)
-    for section, keys in _SAME_AS_INIT.items():
-        for key in keys:
-            if saved[section][key] != now[section][key]:
-                raise MtxError(
-                    f"train.init_from: {run_dir} was trained with {section}.{key}={saved[section][key]!r}, this "
-                    f"config has {now[section][key]!r}; set it alike (its weights and tokenizer depend on it)"
-                )
-    for original in tokenizer_paths(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang):
-        if not original.is_file():
-            raise MtxError(f"train.init_from: {run_dir} has no {original.name}; is it an mtx run directory?")
-    return run_dir, checkpoint
-
-
 def fit(cfg: Config, run_dir: Path, resume: bool = False) -> tuple[TrainState, Path]:
     """Train the config into `run_dir` (resuming from its last.pt when asked). Returns the final
     state and where the run is now: `run_dir`, or its new place where it was moved while training.
@@ -2876,7 +2126,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> tuple[TrainState, P
         stop.at_once = True
         setting_up = True
         try:
-            _barrier(ranks, device)  # every rank has checked the run directory before rank 0 writes to it
+            barrier(ranks, device)  # every rank has checked the run directory before rank 0 writes to it
             if ranks.is_main:
                 # the run directory and those above it that this start makes: a failed start removes them
                 held.enter_context(parent_directories(run_dir / ckpt_io.CONFIG_FILE))
@@ -2942,6 +2192,6 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> tuple[TrainState, P
                 handler.close()
             mtx_log.setLevel(level)
             if failed_start:
-                _remove_contents(run_dir, keep_dir=existed)
+                remove_contents(run_dir, keep_dir=existed)
             if ranks.world_size > 1:
                 dist.destroy_process_group()

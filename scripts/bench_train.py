@@ -52,18 +52,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mtx.cli import add_set_option, int_in, script_parser, thread_count, usable_cpus  # noqa: E402
 from mtx.config import Config, ModelConfig, load_config  # noqa: E402
 from mtx.data import Batch, ParallelIds, load_corpus, padding_fraction, plan_batches, resolve_data_dir, texts  # noqa: E402
+from mtx.device import amp_dtype, autocast, cpu_bf16_speedup  # noqa: E402
 from mtx.errors import ConfigError, MtxError, run_script, shown  # noqa: E402
+from mtx.loss import label_smoothed_loss, training_loss  # noqa: E402
 from mtx.model import Dropout, Seq2Seq, make_src_mask, sinusoidal_positions  # noqa: E402
 from mtx.tokenizer import PAD, train_bpe  # noqa: E402
-from mtx.train import (  # noqa: E402
-    _thread_count,
-    amp_dtype,
-    autocast,
-    cpu_bf16_speedup,
-    label_smoothed_loss,
-    make_optimizer,
-    training_loss,
-)
+from mtx.train import _thread_count, make_optimizer  # noqa: E402
 
 
 class ReferenceTransformer(nn.Module):

@@ -57,11 +57,11 @@ from mtx.data import (  # noqa: E402
     warn_of_invisible_ends,
     warn_unless_nfc,
 )
+from mtx.device import pick_device  # noqa: E402
 from mtx.errors import MtxError, command_line, environment_mtx, run_script  # noqa: E402
 from mtx.evaluate import PAIRED_SAMPLES, corpus_scores, paired_tests, resampling_seed_problem  # noqa: E402
 from mtx.model import Ensemble, Seq2Seq  # noqa: E402
 from mtx.search import translate  # noqa: E402
-from mtx.train import pick_device  # noqa: E402
 
 
 def penalties(text: str) -> list[float]:

@@ -19,8 +19,8 @@ import pytest
 import torch
 import yaml
 
+from mtx.device import BF16_MIN_SPEEDUP
 from mtx.errors import ConfigError, memory_advice, run_script
-from mtx.train import BF16_MIN_SPEEDUP
 
 from .conftest import REPO, TINY_CONFIG, script_in_process
 

@@ -311,11 +311,11 @@ def test_bf16_decoding_warns_where_bf16_products_are_slow(
 ) -> None:
     """`--precision bf16` still decodes in bf16 (the model's weights are bf16 in the search;
     fp32 without the option), and says when this CPU's measured bf16 products are slower than
-    fp32's (`mtx.train.cpu_bf16_speedup`)."""
-    from mtx import search, train
+    fp32's (`mtx.device.cpu_bf16_speedup`)."""
+    from mtx import device, search
     from mtx.cli import main
 
-    monkeypatch.setattr(train, "cpu_bf16_speedup", lambda: speedup)
+    monkeypatch.setattr(device, "cpu_bf16_speedup", lambda: speedup)
     dtypes = []
     translate_ids = search.translate_ids
 

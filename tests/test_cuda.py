@@ -14,11 +14,11 @@ import torch
 
 from mtx.checkpoint import load_run
 from mtx.data import Batch, pad_ids, read_lines
+from mtx.loss import label_smoothed_loss
 from mtx.model import make_src_mask
 from mtx.plot import read_metrics
 from mtx.search import beam_search, greedy_search, translate_ids
 from mtx.tokenizer import BOS, EOS
-from mtx.train import label_smoothed_loss
 
 from .conftest import tiny_args
 from .test_cli import mtx

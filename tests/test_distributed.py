@@ -23,8 +23,10 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from mtx.config import Config, load_config
 from mtx.data import Batch, ParallelIds, epoch_batches, plan_batches
+from mtx.device import Ranks
 from mtx.errors import ConfigError, DataError, MtxError, Terminated, command_line, torchrun_command
-from mtx.train import Ranks, Trainer, prepare_run_dir
+from mtx.rundir import prepare_run_dir
+from mtx.train import Trainer
 
 from .conftest import REPO, TINY_CONFIG, tiny_args
 from .test_cli import mtx
@@ -273,9 +275,9 @@ def test_ranks_share_validation_and_diversify_with_the_single_process_result(
 
 def amp_worker(rank: int, data_dir: Path, run_dir: Path, store: Path, out: Path) -> None:
     """A rank whose own bf16 timing differs from the other's (rank 0: fast, rank 1: slow)."""
-    import mtx.train
+    import mtx.device
 
-    mtx.train.cpu_bf16_speedup = lambda: 2.5 if rank == 0 else 0.6
+    mtx.device.cpu_bf16_speedup = lambda: 2.5 if rank == 0 else 0.6
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:

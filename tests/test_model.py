@@ -10,9 +10,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import mtx.model
 from mtx.config import ModelConfig
 from mtx.data import Batch, ParallelIds, pad_ids
+from mtx.loss import label_smoothed_loss
 from mtx.model import Seq2Seq, make_src_mask, sinusoidal_positions
 from mtx.tokenizer import BOS, EOS, PAD
-from mtx.train import label_smoothed_loss
 
 V = 50
 

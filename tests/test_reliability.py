@@ -24,6 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from mtx import device as device_module
+from mtx import loss as loss_module
+from mtx import rundir as rundir_module
 from mtx import search
 from mtx import train as train_module
 from mtx.checkpoint import (
@@ -1108,7 +1111,7 @@ def test_kill_9_never_leaves_a_torn_checkpoint(tmp_path: Path, mini_data: Path) 
 # -- non-finite steps ----------------------------------------------------------------------------
 def poison_loss(monkeypatch: pytest.MonkeyPatch, bad_calls: Callable[[int], bool]) -> None:
     """Make the training loss NaN on the chosen (1-based) training forward passes."""
-    real = train_module.label_smoothed_loss
+    real = loss_module.label_smoothed_loss
     calls = [0]
 
     def loss(model: torch.nn.Module, batch: object, smoothing: float) -> torch.Tensor:
@@ -1119,7 +1122,7 @@ def poison_loss(monkeypatch: pytest.MonkeyPatch, bad_calls: Callable[[int], bool
                 return value * float("nan")
         return value
 
-    monkeypatch.setattr(train_module, "label_smoothed_loss", loss)
+    monkeypatch.setattr(loss_module, "label_smoothed_loss", loss)
 
 
 def test_isolated_non_finite_steps_are_skipped_and_counted(
@@ -2252,8 +2255,8 @@ def test_devices_this_machine_lacks_are_one_line_errors() -> None:
         cases.append(("cuda:7", "cuda requested but no CUDA device is available"))
     for name, message in cases:
         with pytest.raises(MtxError, match=f"^--device: {re.escape(message)}"):
-            train_module.pick_device(name, "--device")
-    assert train_module.pick_device("cpu", "--device") == torch.device("cpu")
+            device_module.pick_device(name, "--device")
+    assert device_module.pick_device("cpu", "--device") == torch.device("cpu")
 
 
 def test_val_pairs_beyond_the_positions_are_left_out_of_the_val_loss(tmp_path: Path, mini_data: Path) -> None:
@@ -2318,13 +2321,13 @@ def test_hand_edited_run_files_are_read_without_a_traceback(
     (odd / "config.yaml").write_bytes(b"\xff\xfe")
     cfg = load_config(REPO / "configs" / "tiny.yaml")
     # no checkpoint: a start killed before its first save, which a new start replaces (stop 52)
-    train_module.prepare_run_dir(odd, cfg, resume=False)
+    rundir_module.prepare_run_dir(odd, cfg, resume=False)
     assert load_run_config(odd) == cfg
     for config in ([1, 2], {"data": "de-en"}):
         check_direction({"config": config}, odd / "x.pt", cfg)  # nothing to check against: no error
     monkeypatch.setenv("HOME", str(tiny_run.parent))
     init = load_run_config(tiny_run, [f"train.init_from=~/{tiny_run.name}"])
-    assert train_module.init_source(init) == (tiny_run, tiny_run / "checkpoints" / "best.pt")
+    assert rundir_module.init_source(init) == (tiny_run, tiny_run / "checkpoints" / "best.pt")
 
 
 def test_an_epoch_without_an_update_is_an_error_not_an_endless_loop(
@@ -2420,7 +2423,7 @@ def test_out_of_memory_under_an_address_space_limit_says_to_raise_it(
     assert "3.0 GiB of address space at most (ulimit -v 3145728)" in lines[0] and "ulimit -v unlimited" in lines[0]
     assert memory_advice("lower it", "cuda:0") == "lower it"  # a GPU's memory is not the address space
     # a last.pt whose config lacks a whole section (hand-edited) is not taken for an older mtx's
-    train_module._check_unchanged({}, load_config(TINY_CONFIG), tmp_path / "last.pt")
+    rundir_module.check_unchanged({}, load_config(TINY_CONFIG), tmp_path / "last.pt")
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
 
     def no_memory(*args: object) -> None:

@@ -16,31 +16,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mtx import device as device_module
+from mtx import loss as loss_module
+from mtx import rundir as rundir_module
 from mtx import train as train_module
 from mtx.cli import main
 from mtx.config import Config, ModelConfig, TrainConfig, load_config
 from mtx.data import Batch
+from mtx.device import BF16_MIN_SPEEDUP, amp_dtype, cpu_bf16_speedup
 from mtx.errors import MtxError
-from mtx.model import Dropout, FeedForward, Seq2Seq, dropout
-from mtx.tokenizer import BOS, EOS, PAD, UNK
-from mtx.train import (
-    BF16_MIN_SPEEDUP,
-    MovingAverage,
+from mtx.loss import (
     ProjectedRDropLoss,
     ProjectedSmoothedCrossEntropy,
     SmoothedCrossEntropy,
     _rdrop_of_logits,
-    amp_dtype,
-    cpu_bf16_speedup,
-    drop_words,
-    dropout_rate,
     label_smoothed_loss,
-    learning_rate,
-    make_optimizer,
     rdrop_loss,
-    set_dropout,
     training_loss,
 )
+from mtx.model import Dropout, FeedForward, Seq2Seq, dropout
+from mtx.tokenizer import BOS, EOS, PAD, UNK
+from mtx.train import MovingAverage, drop_words, dropout_rate, learning_rate, make_optimizer, set_dropout
 
 from .conftest import REPO, tiny_args
 
@@ -309,7 +305,7 @@ def test_bf16_converges_like_fp32(
     this CPU's bf16 products are slower than fp32's, a warning says so (stop 57: none, and 9.5x
     as slow on Zen 3, which emulates them)."""
     losses, autocast, warned = {}, {"fp32": [], "bf16": []}, {}
-    real = train_module.label_smoothed_loss
+    real = loss_module.label_smoothed_loss
 
     def recording(model: torch.nn.Module, batch: object, smoothing: float) -> torch.Tensor:
         if model.training:
@@ -317,7 +313,7 @@ def test_bf16_converges_like_fp32(
             autocast[amp].append(torch.get_autocast_dtype("cpu") if on else torch.float32)
         return real(model, batch, smoothing)
 
-    monkeypatch.setattr(train_module, "label_smoothed_loss", recording)
+    monkeypatch.setattr(loss_module, "label_smoothed_loss", recording)
     for amp in ("fp32", "bf16"):
         run = tmp_path / amp
         # the CPU's autocast is what is recorded; auto would pick a GPU where there is one (stop 54).
@@ -380,7 +376,7 @@ def test_auto_trains_in_bf16_only_where_bf16_products_are_measured_fast(
 ) -> None:
     """`train.amp: auto` on CPU follows the measured bf16 speed (a Xeon with AVX-512 BF16 but no
     AMX ran bf16 products at 0.55x fp32 and trained 0.66x as fast in bf16); an explicit bf16 is kept."""
-    monkeypatch.setattr(train_module, "cpu_bf16_speedup", lambda: speedup)
+    monkeypatch.setattr(device_module, "cpu_bf16_speedup", lambda: speedup)
     cpu = torch.device("cpu")
     assert amp_dtype(cpu, "auto") is expected
     assert (speedup >= BF16_MIN_SPEEDUP) == (expected is not None)
@@ -397,11 +393,11 @@ def test_auto_precision_on_cpu_goes_on_as_the_run_was_trained(
     timed 0.82x on resume and a bf16 run went on in fp32), where the CPU has native bf16."""
     run = tmp_path / "run"
     base = ["--set", "train.device=cpu", "--set", "train.amp=auto", "--set", "train.eval_every=1000"]
-    monkeypatch.setattr(train_module, "cpu_bf16_speedup", lambda: first)
+    monkeypatch.setattr(device_module, "cpu_bf16_speedup", lambda: first)
     assert main(tiny_args(small_data, run, *base, "--set", "train.max_steps=2")) == 0
     trained = "bf16" if first >= BF16_MIN_SPEEDUP else "fp32"
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["cpu_amp"] == trained
-    monkeypatch.setattr(train_module, "cpu_bf16_speedup", lambda: then)
+    monkeypatch.setattr(device_module, "cpu_bf16_speedup", lambda: then)
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=3"]) == 0
     resumed = (run / "train.log").read_text().split(" INFO done: ")[1]  # the resumed session's lines
     assert f"train.amp auto: going on in {trained}, as the run was trained" in resumed
@@ -409,7 +405,7 @@ def test_auto_precision_on_cpu_goes_on_as_the_run_was_trained(
     # the timing printed beside the kept precision, not as what chose it (stop 55)
     assert f"(train.amp auto: as the run was trained; bf16 products {then:.2f}x as fast as fp32" in resumed
     # without native bf16 (emulated, many times slower) a bf16 run goes on in fp32
-    monkeypatch.setattr(train_module, "cpu_bf16_speedup", lambda: 0.0)
+    monkeypatch.setattr(device_module, "cpu_bf16_speedup", lambda: 0.0)
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=4"]) == 0
     assert "precision fp32" in (run / "train.log").read_text().split(" INFO done: ")[2]
 
@@ -423,7 +419,7 @@ def test_regularised_training_learns(
     """Training with R-Drop or word dropout learns, and each step applies the configured one
     (R-Drop's loss with its weight; word dropout at its rates on both sides)."""
     calls: list[tuple[str, float]] = []
-    rdrop, words = train_module.rdrop_loss, train_module.drop_words
+    rdrop, words = loss_module.rdrop_loss, train_module.drop_words
 
     def recording_rdrop(*args: object, alpha: float, **kwargs: object) -> torch.Tensor:
         calls.append(("rdrop", alpha))
@@ -433,7 +429,7 @@ def test_regularised_training_learns(
         calls.append(("words", p))
         return words(ids, p)
 
-    monkeypatch.setattr(train_module, "rdrop_loss", recording_rdrop)
+    monkeypatch.setattr(loss_module, "rdrop_loss", recording_rdrop)
     monkeypatch.setattr(train_module, "drop_words", recording_words)
     run = tmp_path / "run"
     extra = ["train.max_steps=80", "train.eval_every=80", "train.log_every=20", *regulariser]
@@ -611,7 +607,8 @@ def test_init_from_starts_a_new_run_from_another_runs_weights_and_tokenizer(
     optimizer; through `mtx train` it trains on from the other run's loss, not from scratch."""
     from mtx.config import load_config
     from mtx.plot import read_metrics
-    from mtx.train import Trainer, prepare_run_dir
+    from mtx.rundir import prepare_run_dir
+    from mtx.train import Trainer
 
     from .conftest import TINY_CONFIG
 
@@ -692,7 +689,7 @@ def test_init_from_a_path_relative_to_the_working_directory(tiny_run: Path, monk
     """`best.pt` given inside RUN/checkpoints was taken for a file outside a run's checkpoints/:
     the run and its checkpoint are found where the path leads, however it is written."""
     from mtx.config import load_config
-    from mtx.train import init_source
+    from mtx.rundir import init_source
 
     from .conftest import TINY_CONFIG
 
@@ -874,7 +871,8 @@ def test_validation_scores_references_as_mtx_eval_reads_them(
     cleaned targets."""
     from mtx.config import load_config
     from mtx.evaluate import corpus_scores
-    from mtx.train import Trainer, prepare_run_dir
+    from mtx.rundir import prepare_run_dir
+    from mtx.train import Trainer
 
     from .conftest import TINY_CONFIG
 
@@ -929,10 +927,10 @@ def test_the_val_digest_tells_apart_references_that_score_differently() -> None:
     ends do not, and keep the digest runs saved before (Multi30k's val.fr has lines that start
     with a space: a first fix refused the resume of every en->fr run)."""
     src, tgt = ["Ein Hund.", "Zwei Hunde."], ["A dog.", "Two dogs."]
-    plain = train_module.val_digest(Config(), src, tgt, tgt)
-    assert plain == train_module.data_digest(src, tgt)
-    assert train_module.val_digest(Config(), src, tgt, [" A dog.", "Two dogs.\u00a0 "]) == plain
-    assert train_module.val_digest(Config(), src, tgt, ["A dog.\u200b", "Two dogs."]) != plain
+    plain = rundir_module.val_digest(Config(), src, tgt, tgt)
+    assert plain == rundir_module.data_digest(src, tgt)
+    assert rundir_module.val_digest(Config(), src, tgt, [" A dog.", "Two dogs.\u00a0 "]) == plain
+    assert rundir_module.val_digest(Config(), src, tgt, ["A dog.\u200b", "Two dogs."]) != plain
 
 
 def test_the_training_clock_leaves_out_a_stopped_process(tmp_path: Path) -> None:
@@ -968,7 +966,7 @@ def test_timing_bf16_draws_nothing_from_torchs_generator() -> None:
     the timing's random inputs moved every later dropout mask off a straight run's (stop 68's
     probe: step 60's loss 5.369212 against 5.368715). (A CPU without native bf16 times nothing.)"""
     state = torch.get_rng_state()
-    train_module.cpu_bf16_speedup.__wrapped__()
+    device_module.cpu_bf16_speedup.__wrapped__()
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -984,7 +982,7 @@ def test_a_resume_without_last_pt_suggests_best_pt_else_the_newest_step(tmp_path
 
     def suggested() -> str:
         with pytest.raises(MtxError, match="cannot resume: checkpoints/last.pt is missing") as refused:
-            train_module.check_run_dir(run, resume=True)
+            rundir_module.check_run_dir(run, resume=True)
         return str(refused.value).rsplit("train.init_from=", 1)[1]
 
     assert suggested() == str(run / "checkpoints" / "step_100.pt")
