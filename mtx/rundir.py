@@ -342,3 +342,22 @@ def init_source(cfg: Config) -> tuple[Path, Path] | None:
         if not original.is_file():
             raise MtxError(f"train.init_from: {run_dir} has no {original.name}; is it an mtx run directory?")
     return run_dir, checkpoint
+
+
+def open_directory(identity: tuple[int, int]) -> Path | None:
+    """The path of a directory this process holds open, by its (device, inode), where the system
+    says it (Linux's /proc/self/fd); None where it does not, or the directory was removed."""
+    try:
+        handles = list(Path("/proc/self/fd").iterdir())
+    except OSError:
+        return None
+    for handle in handles:
+        try:
+            found = os.stat(handle)  # what the handle is open on
+            if (found.st_dev, found.st_ino) == identity and os.path.isdir(handle):
+                target = os.readlink(handle)
+                if not target.endswith(" (deleted)") and os.path.isdir(target):
+                    return Path(target)
+        except OSError:
+            continue
+    return None

@@ -954,7 +954,7 @@ def test_a_run_named_in_bytes_that_are_not_utf8_or_in_cjk_is_printed_and_drawn(r
     as lone surrogates: under a UTF-8 locale (strict standard output) average and compare ended in
     a traceback after their work, eval too after scoring, and plot in matplotlib's; train.log
     stopped at the first message naming it (stop 67). Such a path is printed as its own bytes."""
-    from mtx.train import RunLog
+    from mtx.runlog import RunLog
 
     odd = shutil.copytree(run_copy, tmp_path / os.fsdecode(b"run \xfc"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8:strict"}  # as en_US.UTF-8's

@@ -1431,7 +1431,7 @@ def test_main_leaves_the_calling_programs_logging_as_it_was(tiny_run: Path, tmp_
     """`main` replaced the root logger's handlers and raised its level for good: a program that
     runs it lost its own log file's lines, and other libraries' were muted; the run's train.log
     took the lines other threads of the program logged (stop 68's probe)."""
-    from mtx.train import RunLog
+    from mtx.runlog import RunLog
 
     root = logging.getLogger()
     mine = logging.FileHandler(tmp_path / "app.log")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from mtx import device as device_module
 from mtx import loss as loss_module
 from mtx import rundir as rundir_module
+from mtx import runlog as runlog_module
 from mtx import train as train_module
 from mtx.cli import main
 from mtx.config import Config, ModelConfig, TrainConfig, load_config
@@ -849,11 +850,11 @@ def test_a_metrics_record_cut_short_by_a_full_disk_is_taken_back(
 
     path = tmp_path / "metrics.jsonl"
     with path.open("a", encoding="utf-8") as metrics:
-        train_module._append(metrics, {"event": "train", "step": 1})
+        runlog_module.append_record(metrics, {"event": "train", "step": 1})
         write = os.write
         monkeypatch.setattr(os, "write", lambda fd, data: write(fd, data[:10]))  # the disk fills midway
         with pytest.raises(OSError, match="No space left on device") as full:
-            train_module._append(metrics, {"event": "train", "step": 2})
+            runlog_module.append_record(metrics, {"event": "train", "step": 2})
         assert full.value.filename == str(path)
     assert path.read_text(encoding="utf-8") == '{"event": "train", "step": 1}\n'
 
@@ -907,7 +908,7 @@ def test_progress_bar_time_left_ends_with_the_time_budget() -> None:
     estimate where max_steps comes first."""
     import io
 
-    from mtx.train import progress_bar
+    from mtx.runlog import progress_bar
 
     options = {"file": io.StringIO(), "mininterval": 0, "unit": "step", "ncols": 120}
     bar = progress_bar(lambda: 30.0, total=2**50, **options)  # max_steps out of reach in 30 s at any rate
