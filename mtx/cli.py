@@ -8,15 +8,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import io
 import json
 import logging
 import math
 import os
-import re
-import select
 import signal
-import stat
 import sys
 import threading
 import zipfile
@@ -48,6 +44,22 @@ from mtx.errors import (
     os_error_line,
     stderr_or_null,
     take_signals,
+)
+from mtx.outputs import (
+    a_file_or_its_twin,
+    binary_stdin,
+    check_file_path,
+    check_output,
+    check_parents,
+    data_files,
+    is_stdout,
+    not_a_runs_file,
+    release_stdout,
+    resolved_path,
+    same_file,
+    stdin_is_stdout,
+    training_data,
+    utf8_stdout,
 )
 
 if TYPE_CHECKING:
@@ -484,8 +496,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     run_dir = args.run_dir or Path("runs") / args.config.stem
     if not args.resume:  # (stop 64: a run made at RUN/checkpoints/step_80.pt stopped RUN's training at step 80)
-        _check_parents("--run-dir", run_dir)  # (stop 64: "Not a directory" after torch's import)
-        _not_a_runs_file(run_dir, f"--run-dir {run_dir}", "choose another --run-dir")
+        check_parents("--run-dir", run_dir)  # (stop 64: "Not a directory" after torch's import)
+        not_a_runs_file(run_dir, f"--run-dir {run_dir}", "choose another --run-dir")
     # where the run directory was moved while training, the line names its new place (stop 66)
     state, run_dir = fit(cfg, run_dir, resume=args.resume)
     if not Ranks.from_env().is_main:  # under torchrun only rank 0 reports
@@ -640,7 +652,7 @@ def _check_translate_input(args: argparse.Namespace, from_stdin: bool) -> list[s
         )
     if from_stdin and sys.stdin is None:  # (stop 54: an AttributeError's traceback)
         raise MtxError("standard input is closed; give the sentences as TEXT arguments or on standard input")
-    if from_stdin and _stdin_is_stdout():
+    if from_stdin and stdin_is_stdout():
         # (stop 61: `mtx translate < f >> f` read its own translations back and translated them
         # without end, filling the disk; `cat f >> f` refuses too)
         raise MtxError("standard input and standard output are the same file; write the translations to another file")
@@ -659,7 +671,7 @@ def _translate_input(
         terminal = sys.stdin.isatty()
         # a file or pipe in and out: a bar of the lines done on the terminal's stderr
         show_bar = not terminal and not sys.stdout.isatty()
-        return terminal, show_bar, stream_lines(_binary_stdin(), args.buffer_lines, "standard input", "the input")
+        return terminal, show_bar, stream_lines(binary_stdin(), args.buffer_lines, "standard input", "the input")
     # a TEXT holding line breaks (`"$(cat notes.txt)"`) is its lines, as on standard input
     # (stop 62: translated as one sentence, its line breaks as pieces)
     # (stop 64: one with CR-only line breaks, refused on standard input, was one sentence)
@@ -722,11 +734,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.out is not None:
         if str(args.out) == "-":  # (stop 64: a directory named "-")
             raise MtxError("--out - (standard output) cannot take an exported model, a directory; give a new directory")
-        _check_parents("--out", args.out)
+        check_parents("--out", args.out)
         if args.out.exists() and not args.out.is_dir():
             raise MtxError(f"--out {args.out} is a file; give a new directory for the exported model")
         # (stop 62: a directory named like a future step_N.pt stopped training at that step)
-        _not_a_runs_file(args.out, f"--out {args.out}", "give a new directory for the exported model")
+        not_a_runs_file(args.out, f"--out {args.out}", "give a new directory for the exported model")
     # torch is imported only now: a mistake in an option is reported in a fraction of a second
     from mtx.checkpoint import load_run
     from mtx.export import check_export, export_ctranslate2
@@ -811,165 +823,6 @@ def _checkpoint_tag(path: Path, run_dir: Path) -> str:
     return f"{owner.name}-{stem}"
 
 
-def _check_parents(option: str, path: Path) -> None:
-    """An output path under a regular file (`afile/x.en`) or under a symbolic link to nothing is
-    one line naming that file or link, not the system's "File exists" or "Not a directory" about
-    another name."""
-    for parent in path.parents:
-        if parent.is_symlink() and not parent.exists():  # (stop 61: "dd: File exists")
-            raise MtxError(f"{option} {path}: {not_found(parent, 'directory')}")
-        if parent.exists():
-            if not parent.is_dir():
-                raise MtxError(f"{option} {path}: {parent} is a file, not a directory")
-            return
-
-
-def _resolved(option: str, path: Path) -> Path:
-    """`path.resolve()`, where a loop of symbolic links (RuntimeError before Python 3.13) is a one-line error."""
-    try:
-        return path.resolve()
-    except (OSError, RuntimeError):  # (stop 66 review, stop 70: a traceback)
-        raise MtxError(f"{option} {path}: a loop of symbolic links; pass {option} with another path") from None
-
-
-def _check_file_path(option: str, path: Path, what: str) -> None:
-    """An output file's path that is a directory (the error asks for `what`), or lies under a
-    regular file, is a one-line error."""
-    if path.is_dir():
-        raise MtxError(f"{option} {path} is a directory; give {what}")
-    _resolved(option, path)
-    if path.is_symlink() and not path.exists() and not path.resolve().parent.is_dir():
-        # written through, the link would fail after the work (stop 61: after all the decoding)
-        raise MtxError(f"{option} {path}: a symbolic link to {os.readlink(path)}, whose directory does not exist")
-    _check_parents(option, path)
-    if path.is_file() and not path.stat().st_mode & 0o222:  # a link to such a file too (stop 61)
-        # replaced through a new file and a rename, or written through a link by root, it would
-        # be overwritten whatever its mode (stop 61: average --out replaced a chmod 444 file)
-        raise MtxError(f"{option} {path} is write-protected (no write permission); pass {option} with another path")
-
-
-def _same_file(path: Path, others: Iterable[Path | None]) -> bool:
-    return path.exists() and any(o is not None and o.exists() and path.samefile(o) for o in others)
-
-
-def _not_a_runs_file(path: Path, named: str, fix: str, own_run: Path | None = None) -> None:
-    """`path` (`named` so in the error) must be no run's own file or checkpoint, a link into one
-    included (it is written through), except for files in `own_run`: eval's, average's and plot's
-    outputs (stop 54: another run's last.pt was written over; stop 57: plot's, a run's best.pt)."""
-    from mtx.checkpoint import any_runs_file
-
-    other_run = any_runs_file(path)
-    if other_run is not None and not (own_run is not None and _same_file(other_run, [own_run])):
-        # (stop 69's probe: a step_N.pt not yet written was called one of its files)
-        raise MtxError(f"{named} is one of the files of the run {other_run}, or a name it writes; {fix}")
-
-
-def _check_output(output: Path, inputs: dict[str, Iterable[Path | None]]) -> None:
-    """Before decoding, so that a bad output path fails at once: `output` must be a file path in a
-    writable directory (or one to be made), none of the files this command reads (`inputs`:
-    what each is -> paths), and no run's own file or checkpoint; `-` is standard output."""
-    from mtx.plot import replaced_at
-
-    if str(output) == "-":
-        return
-    _check_file_path("--output", output, "the hypotheses file's path")
-    for what, paths in inputs.items():
-        if _a_file_or_its_twin(output, [p for p in paths if p is not None]):
-            raise MtxError(f"the hypotheses file {output} is {what}; pass --output with another path")
-    _not_a_runs_file(output, f"the hypotheses file {output}", "pass --output with another path")
-    target = replaced_at(output)
-    if target is None:  # a device or pipe: it is opened as it is, not replaced
-        return
-    # the directory, or the nearest one above it where it is to be made (`parent_directories`)
-    nearest = next(d for d in (target.parent, *target.parent.parents) if d.exists())
-    if not os.access(nearest, os.W_OK | os.X_OK):
-        raise MtxError(
-            f"the hypotheses file {output}: cannot write to {target.parent}; pass --output with a writable path"
-        )
-
-
-def _gz_twin(path: Path) -> Path:
-    """`f.gz` for `f`, `f` for `f.gz`: the other form of a data file, which mtx would read too."""
-    return path.with_name(path.name.removesuffix(".gz")) if path.name.endswith(".gz") else Path(f"{path}.gz")
-
-
-def _a_file_or_its_twin(path: Path, files: list[Path]) -> bool:
-    """Whether `path` is one of `files`, or the plain or gzipped twin of one where that is not
-    there yet: mtx reads the plain one of the two first (stop 63: --output DATA/val.en beside
-    val.en.gz was written, and every later eval scored against it, BLEU 100)."""
-    from mtx.checkpoint import same_path
-
-    return _same_file(path, files) or same_path(path, [*files, *map(_gz_twin, files)])
-
-
-_DATA_FILE = re.compile(r"[^.]+\.[^.]+(\.gz)?")  # SPLIT.LANG or SPLIT.LANG.gz
-
-
-def _data_files(folders: Iterable[Path | None]) -> list[Path]:
-    """Every file of the form SPLIT.LANG[.gz] in each of `folders` that is a directory: a data
-    directory's splits, all of them (stop 63: eval --split val wrote over test_2016_flickr.de.gz)."""
-    return [
-        path
-        for folder in folders
-        if folder is not None and folder.is_dir()
-        for path in sorted(folder.iterdir())
-        if _DATA_FILE.fullmatch(path.name) and path.is_file()
-    ]
-
-
-def _training_data(cfg: Config, folders: Iterable[Path | None]) -> list[Path]:
-    """The files (plain and gzipped) of the splits and languages `cfg` trains and validates on, in
-    each of `folders` that is a directory."""
-    from mtx.data import training_files
-
-    return [
-        path
-        for folder in folders
-        if folder is not None and folder.is_dir()
-        for path in training_files(folder, cfg.data)
-    ]
-
-
-def _is_stdout(path: Path) -> bool:
-    """Whether `path` is the file standard output writes to (`/dev/stdout`, or the file it is
-    redirected to)."""
-    try:
-        ours, theirs = os.fstat(sys.stdout.fileno()), os.stat(path)
-    except (OSError, ValueError, AttributeError):  # no such path; a stream without a descriptor
-        return False
-    return (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino)
-
-
-class _EncodedLines:
-    """A text stream's lines as UTF-8 bytes, for a standard input that has no bytes beneath it
-    (`io.StringIO`, a notebook's): no descriptor, so `stream_lines` reads it line by line."""
-
-    def __init__(self, text: IO[str]) -> None:
-        self.text = text
-
-    def fileno(self) -> int:
-        raise io.UnsupportedOperation("a text stream")
-
-    def __iter__(self) -> Iterator[bytes]:
-        return (line.encode("utf-8", "surrogateescape") for line in self.text)
-
-
-def _binary_stdin() -> Any:
-    """Standard input's bytes (stop 68's probe: one that holds text only, as a program running `main`
-    may set, ended in an AttributeError)."""
-    buffer = getattr(sys.stdin, "buffer", None)
-    return buffer if buffer is not None else _EncodedLines(sys.stdin)
-
-
-def _stdin_is_stdout() -> bool:
-    """Whether standard input and standard output are one regular file (`< f >> f`)."""
-    try:
-        ours, theirs = os.fstat(sys.stdin.fileno()), os.fstat(sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # a stream without a descriptor
-        return False
-    return stat.S_ISREG(ours.st_mode) and (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino)
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     """`mtx eval`: translate a test set with a run and print its sacreBLEU scores."""
     _check_eval_options(args)
@@ -1004,7 +857,7 @@ def _check_eval_options(args: argparse.Namespace) -> None:
         )
     if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
-    resolved = [_resolved("--paired", path) for path in args.paired]  # (a.en and x/../a.en are one file)
+    resolved = [resolved_path("--paired", path) for path in args.paired]  # (a.en and x/../a.en are one file)
     repeated = next((path for i, path in enumerate(args.paired) if resolved[i] in resolved[:i]), None)
     if repeated is not None:  # (stop 69's probe: its test was printed twice without a word)
         raise MtxError(f"--paired {repeated} is given twice; give each system's output once")
@@ -1054,7 +907,7 @@ def _warn_of_seen_split(args: argparse.Namespace, cfg: Config, name: str) -> Non
         """Whether the source scored is the run's `split`: named by --split, or given as its file."""
         if args.src is None:
             return args.split == split
-        return _same_file(args.src, [Path(data.dir) / f"{split}.{data.src_lang}{gz}" for gz in ("", ".gz")])
+        return same_file(args.src, [Path(data.dir) / f"{split}.{data.src_lang}{gz}" for gz in ("", ".gz")])
 
     if scoring(data.train_split):
         # (stop 61: scored without a word)
@@ -1121,7 +974,7 @@ def _hypotheses_path(args: argparse.Namespace, cfg: Config, data: _EvalSet, sett
     if output is None:
         output = args.run / "eval" / _hypotheses_name(args, source, settings.beam, settings.stop, cfg, settings.alpha)
     name = data.name
-    _check_output(
+    check_output(
         output,
         {
             "the --paired file": args.paired,
@@ -1134,8 +987,8 @@ def _hypotheses_path(args: argparse.Namespace, cfg: Config, data: _EvalSet, sett
             "one of the run's own files": run_files(args.run),
             # the text the run was trained and validated on, in its data directory or the one
             # read (a hypotheses file replaced train.en there)
-            "the run's training or validation data": _training_data(cfg, [Path(cfg.data.dir), args.data_dir]),
-            "a data file of the data directory": _data_files([Path(cfg.data.dir), args.data_dir]),
+            "the run's training or validation data": training_data(cfg, [Path(cfg.data.dir), args.data_dir]),
+            "a data file of the data directory": data_files([Path(cfg.data.dir), args.data_dir]),
         },
     )
     return output
@@ -1167,7 +1020,7 @@ def _decode_hypotheses(
                 stop=settings.stop,
                 progress=bar.update,
             )
-        if to_stdout or _is_stdout(output):  # opened again, it would be written from its start (stop 54)
+        if to_stdout or is_stdout(output):  # opened again, it would be written from its start (stop 54)
             with named_os_errors("standard output"):
                 sys.stdout.write("".join(t + "\n" for t in text))
                 sys.stdout.flush()
@@ -1287,14 +1140,14 @@ def cmd_average(args: argparse.Namespace) -> int:
     if args.out is not None:
         if str(args.out) == "-":  # (stop 61: a file named "-")
             raise MtxError("--out - (standard output) cannot take an average, a checkpoint file; give a file path")
-        _check_file_path("--out", args.out, "the average's file path")
+        check_file_path("--out", args.out, "the average's file path")
         if args.out.exists() and not args.out.is_file():  # a device or a pipe: never replaced by a file
             raise MtxError(f"--out {args.out} is not a regular file; give a file path for the average")
-        if _same_file(args.out, run_files(args.run)):
+        if same_file(args.out, run_files(args.run)):
             raise MtxError(f"--out {args.out} is one of the run's own files; give another path for the average")
-        _not_a_runs_file(args.out, f"--out {args.out}", "give another path for the average", own_run=args.run)
+        not_a_runs_file(args.out, f"--out {args.out}", "give another path for the average", own_run=args.run)
         # (stop 64: a text file, the run's val.en.gz or the plain twin of its train.en.gz became a checkpoint)
-        if _a_file_or_its_twin(args.out, _data_files([Path(load_run_config(args.run).data.dir)])):
+        if a_file_or_its_twin(args.out, data_files([Path(load_run_config(args.run).data.dir)])):
             raise MtxError(f"--out {args.out} is a data file of the run's data directory; give another path")
         if args.out.is_file() and not zipfile.is_zipfile(args.out):
             raise MtxError(f"--out {args.out} exists and is not a checkpoint; give a new path for the average")
@@ -1318,11 +1171,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
     default = args.run[0] / "curves.png" if len(args.run) == 1 else Path("compare.png")
     to_stdout = str(args.out) == "-"  # (stop 61: it wrote a file named -.png)
     if args.out is not None and not to_stdout:
-        _check_file_path("--out", args.out, "the image's file path")
+        check_file_path("--out", args.out, "the image's file path")
     out = args.out or default
     if not to_stdout:
-        _not_a_runs_file(out, f"--out {out}", "give another path for the image")
-        to_stdout = _is_stdout(out)  # the image itself goes there: no path after it
+        not_a_runs_file(out, f"--out {out}", "give another path for the image")
+        to_stdout = is_stdout(out)  # the image itself goes there: no path after it
     written = plot_runs(args.run, out, args.x)
     if not to_stdout:
         print(written)
@@ -1347,52 +1200,6 @@ COMMANDS = {
     "plot": cmd_plot,
     "compare": cmd_compare,
 }
-
-
-def _utf8_stdout() -> None:
-    """Standard output in UTF-8, as mtx reads its input, whatever the locale says (stop 54: on a
-    locale of another encoding, such as Windows' code page for a redirected stream, a translation
-    with a character outside it stopped with a traceback after decoding, and one inside it was
-    written in a file that mtx itself then refused as not UTF-8)."""
-    # a path of bytes that are not UTF-8 (an old Latin-1 archive's), which Python hands over as lone
-    # surrogates, is written as its own bytes (stop 67: eval's scores, average's and compare's lines
-    # ended in a traceback under a UTF-8 locale, whose stdout is strict, after the work was done)
-    if hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(encoding="utf-8", errors="surrogateescape")
-    with contextlib.suppress(OSError, ValueError):  # no descriptor (a test's capture): nothing to wait on
-        fd = sys.stdout.fileno()
-        if not os.get_blocking(fd):
-            sys.stdout.flush()
-            sys.stdout = io.TextIOWrapper(
-                io.BufferedWriter(_WaitingWriter(fd)),
-                encoding="utf-8",
-                errors="surrogateescape",
-                line_buffering=sys.stdout.line_buffering,
-            )
-
-
-class _WaitingWriter(io.RawIOBase):
-    """A file descriptor that each write waits for where it is non-blocking (O_NONBLOCK, which
-    any process sharing the pipe or terminal may set): Python's own standard output then drops
-    what the pipe cannot take at once (stop 64: translate wrote 2,304 of 3,000 lines and exited
-    0; eval's scores were lost). The descriptor stays open when this is closed."""
-
-    def __init__(self, fd: int) -> None:
-        super().__init__()
-        self.fd = fd
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self.fd
-
-    def write(self, data: Any) -> int:
-        while True:
-            try:
-                return os.write(self.fd, data)
-            except BlockingIOError:
-                select.select([], [self.fd], [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1421,7 +1228,7 @@ def _callers_state_kept() -> Iterator[None]:
         root.setLevel(level)
         for name, old in levels.items():
             logging.getLogger(name).setLevel(old)
-        if sys.stdout is not stdout:  # `_utf8_stdout`'s writer that waits on a non-blocking descriptor
+        if sys.stdout is not stdout:  # `utf8_stdout`'s writer that waits on a non-blocking descriptor
             with contextlib.suppress(OSError, ValueError):
                 sys.stdout.flush()
             sys.stdout = stdout
@@ -1447,7 +1254,7 @@ def _main(argv: list[str] | None) -> int:
         _setup_logging(args.verbose)
         if sys.stdout is None:  # (stop 54: translate's traceback after decoding; eval's scores lost)
             raise MtxError("standard output is closed; mtx writes its results there (redirect it to a file)")
-        _utf8_stdout()
+        utf8_stdout()
         with _stop_signals():
             code = COMMANDS[args.command](args)
         with named_os_errors("standard output"):  # what print() left in the buffer (eval's scores)
@@ -1478,7 +1285,7 @@ def _main(argv: list[str] | None) -> int:
         print(os_error_line("mtx", e), file=sys.stderr)
         return 1
     finally:
-        _release_stdout()
+        release_stdout()
 
 
 @contextlib.contextmanager
@@ -1508,23 +1315,6 @@ def _speaks_for_the_job(args: argparse.Namespace | None) -> bool:
     signals, in a job's first seconds, was reported once per rank)."""
     rank = os.environ.get("RANK", "0").strip()
     return args is None or args.command != "train" or not rank.isdigit() or int(rank) == 0
-
-
-def _release_stdout() -> None:
-    """Where standard output cannot take what is left in its buffer (a full disk), point it at
-    /dev/null: Python's own flush at exit would fail again, print an "Exception ignored" block
-    and exit with 120 instead of mtx's error line and code (stop 54)."""
-    if sys.stdout is None:
-        return
-    try:
-        sys.stdout.flush()
-    except (OSError, ValueError):
-        try:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, sys.stdout.fileno())
-            os.close(null)
-        except (OSError, ValueError):
-            pass
 
 
 if __name__ == "__main__":  # `python -m mtx.cli` as `python -m mtx` (stop 68's probe: it did nothing, exit 0)

@@ -32,15 +32,10 @@ import sacrebleu
 import torch
 
 from mtx.cli import (
-    _check_output,
-    _data_files,
     _decode_settings,
     _hypotheses_name,
     _settings,
     _source_tag,
-    _stdin_is_stdout,
-    _training_data,
-    _utf8_stdout,
     build_parser,
     cgroup_cpu_quota,
     int_in,
@@ -51,6 +46,7 @@ from mtx.cli import (
 )
 from mtx.config import Config, DecodeConfig, config_text, load_config, load_run_config
 from mtx.errors import MtxError
+from mtx.outputs import check_output, data_files, stdin_is_stdout, training_data, utf8_stdout
 
 from .conftest import REPO, TINY_CONFIG, FakeMulti30k, main_in_process, tiny_args
 
@@ -409,7 +405,7 @@ def test_translate_writes_utf8_whatever_the_locale_and_invisible_lines_are_empty
     lines = raw.getvalue().decode("utf-8").split("\n")
     assert len(lines) == 4 and lines[0] == lines[2] == lines[3] == "" and lines[1]
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw := io.BytesIO(), encoding="ascii"))
-    _utf8_stdout()
+    utf8_stdout()
     print("Zwei M\u00e4nner")
     sys.stdout.flush()
     assert raw.getvalue() == "Zwei M\u00e4nner\n".encode()
@@ -499,7 +495,7 @@ def test_outputs_through_descriptors_are_written_through_and_links_keep_modes(tm
     (tmp_path / "a.en").symlink_to(tmp_path / "b.en")
     (tmp_path / "b.en").symlink_to(tmp_path / "a.en")
     with pytest.raises(MtxError, match="a.en: a loop of symbolic links; pass --output with another path$"):
-        _check_output(tmp_path / "a.en", {})
+        check_output(tmp_path / "a.en", {})
 
 
 def _on_a_terminal(command: list[str], columns: int) -> tuple[bytes, bytes]:
@@ -806,7 +802,7 @@ def test_a_non_blocking_standard_output_takes_everything(monkeypatch: pytest.Mon
     os.set_blocking(write_end, False)
     with os.fdopen(read_end, "rb") as reader, open(write_end, "w", encoding="utf-8", closefd=False) as writer:
         monkeypatch.setattr(sys, "stdout", writer)
-        _utf8_stdout()
+        utf8_stdout()
         got: list[bytes] = []
         thread = threading.Thread(target=lambda: (time.sleep(0.3), got.append(reader.read())))
         thread.start()  # a reader that comes late: the pipe's 64 KiB fill up first
@@ -1046,10 +1042,10 @@ def test_eval_refuses_an_empty_split_and_a_write_protected_output(
     kept.write_text("my translations\n")
     kept.chmod(0o444)
     with pytest.raises(MtxError, match=r"kept.en is write-protected .*; pass --output with another path$"):
-        _check_output(kept, {})
+        check_output(kept, {})
     assert kept.read_text() == "my translations\n"
     kept.chmod(0o644)
-    _check_output(kept, {})  # writable: replaced as before
+    check_output(kept, {})  # writable: replaced as before
 
 
 def test_eval_scores_blank_segments_and_refuses_empty_paths(
@@ -1090,21 +1086,21 @@ def test_outputs_through_links_and_in_checkpoints_are_checked_before_the_work(
     kept.chmod(0o444)
     (tmp_path / "to_kept.en").symlink_to(kept)
     with pytest.raises(MtxError, match=r"to_kept.en is write-protected .*; pass --output with another path$"):
-        _check_output(tmp_path / "to_kept.en", {})
+        check_output(tmp_path / "to_kept.en", {})
     (tmp_path / "dangling.en").symlink_to(tmp_path / "gone" / "dir" / "h.en")
     with pytest.raises(
         MtxError, match=r"dangling.en: a symbolic link to .*gone/dir/h.en, whose directory does not exist"
     ):
-        _check_output(tmp_path / "dangling.en", {})
+        check_output(tmp_path / "dangling.en", {})
     (tmp_path / "dd").symlink_to(tmp_path / "nowhere")
     with pytest.raises(MtxError, match=r"dd/h.en: .*dd: a symbolic link to .*nowhere, which does not exist$"):
-        _check_output(tmp_path / "dd" / "h.en", {})
+        check_output(tmp_path / "dd" / "h.en", {})
     (tmp_path / "new.en").symlink_to(tmp_path / "new_target.en")  # a link to a file to be made: written through
-    _check_output(tmp_path / "new.en", {})
+    check_output(tmp_path / "new.en", {})
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
     with pytest.raises(MtxError, match=r"is one of the files of the run"):
-        _check_output(run / "checkpoints" / "hyp.en", {})
+        check_output(run / "checkpoints" / "hyp.en", {})
     # average and plot: the same checks on --out, nothing written
     for argv in (["average", "--run", str(run), "--last", "2"], ["plot", "--run", str(run)]):
         r = mtx_here(monkeypatch, *argv, "--out", str(kept))
@@ -1178,7 +1174,7 @@ def test_translate_refuses_standard_input_and_output_as_one_file(
     with f.open("r", encoding="utf-8") as stdin, (tmp_path / "other.txt").open("w") as stdout:
         monkeypatch.setattr(sys, "stdin", stdin)
         monkeypatch.setattr(sys, "stdout", stdout)
-        assert not _stdin_is_stdout()
+        assert not stdin_is_stdout()
 
 
 def test_an_option_given_twice_and_a_tilde_in_a_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1208,21 +1204,21 @@ def test_eval_output_never_replaces_the_training_data(tmp_path: Path) -> None:
         (tmp_path / name).write_text("data\n")
     folders = [tmp_path, None, tmp_path / "none"]
     data = {
-        "the run's training or validation data": _training_data(cfg, folders),
-        "a data file of the data directory": _data_files(folders),
+        "the run's training or validation data": training_data(cfg, folders),
+        "a data file of the data directory": data_files(folders),
     }
     # val.de: the plain twin of val.de.gz, which mtx would read before it (stop 63: written, and
     # every later eval scored against the hypotheses)
     for name in ("train.en", "val.de.gz", "val.de"):
         with pytest.raises(MtxError, match=rf"{name} is the run's training or validation data; pass --output"):
-            _check_output(tmp_path / name, data)
+            check_output(tmp_path / name, data)
     # another split's file, or its twin (stop 63: eval --split val wrote over test_2016_flickr.de.gz)
     for name in ("test_x.en", "test_x.en.gz"):
         with pytest.raises(MtxError, match=rf"{name} is a data file of the data directory; pass --output"):
-            _check_output(tmp_path / name, data)
+            check_output(tmp_path / name, data)
     assert all((tmp_path / name).read_text() == "data\n" for name in ("train.en", "val.de.gz", "test_x.en"))
     for name in ("test_x.beam5.en", "hyp.en", "notes"):  # names of no file there, or of no data file
-        _check_output(tmp_path / name, data)
+        check_output(tmp_path / name, data)
 
 
 def test_training_on_a_test_split_and_scoring_the_training_split_are_warned(
