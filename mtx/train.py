@@ -430,8 +430,8 @@ class Trainer:
         seed_everything(tc.seed)
         self.device = rank_device(tc.device, ranks)
         self._check_same_config()
-        self.amp = self._agreed_amp()
         self.amp_resumed = False  # train.amp auto's choice on CPU taken from last.pt (`_keep_cpu_precision`)
+        self.bf16_step: float | None = None  # train.amp auto on CPU: a training pass's bf16 speedup, where timed
 
         data_dir = resolve_data_dir(cfg.data)
         if corpus is None:
@@ -457,6 +457,7 @@ class Trainer:
         self._encode_val_pairs(data_dir, valid_src, valid_tgt)  # valid_refs, val_digest, valid_ids, valid_loss_rows
 
         self.model = self._build_model()
+        self.amp = self._agreed_amp()  # (on CPU, auto times this model's training pass)
         self.vocab = ckpt_io.vocab_fingerprint(self.src_tok, self.tgt_tok)
         if tc.init_from and not resume:  # before the optimizer and the moving average see the weights
             self._init_weights(init_source(cfg)[1])
@@ -480,6 +481,10 @@ class Trainer:
         """train.amp's dtype on this device; under DDP, the one that every rank takes."""
         tc, ranks = self.cfg.train, self.ranks
         amp = amp_dtype(self.device, tc.amp)
+        if tc.amp == "auto" and self.device.type == "cpu" and ranks.is_main and not self.resumed:
+            # this model's pass, timed (stop 71: bf16 products alone chose bf16 for a d_model 64 model
+            # that then trained 2.25x slower); a resume goes on as the run was trained (`_restore`)
+            amp, self.bf16_step = devices.auto_cpu_amp(self.model, self._median_batch_loss())
         if tc.amp == "auto" and self.device.type == "cpu" and ranks.world_size > 1:
             # each rank timed bf16 on its own (`cpu_bf16_speedup`): rank 0's choice holds for all
             amp = torch.bfloat16 if self._from_main(amp is not None) else None
@@ -492,6 +497,13 @@ class Trainer:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             amp = kinds[int(t.item())]
         return amp
+
+    def _median_batch_loss(self) -> Callable[[], torch.Tensor]:
+        """The training loss of a batch of median length (the plan without a seed is in length order)."""
+        tc = self.cfg.train
+        plan = plan_batches(self.train_ids.src_lens, self.train_ids.tgt_lens, tc.batch_tokens)
+        batch = self.train_ids.batch(plan[len(plan) // 2]).to(self.device)
+        return lambda: label_smoothed_loss(self.model, batch, tc.label_smoothing)
 
     def _run_tokenizers(self, train_src: list[str], train_tgt: list[str]) -> tuple[BPE, BPE]:
         """The run's (src, tgt) tokenizers: a new run's trained (or loaded) by rank 0, then loaded by the rest."""
@@ -1602,6 +1614,8 @@ class Trainer:
             # as fast as fp32)" read as a choice against the timing)
             why = "as the run was trained; " if self.amp_resumed else ""
             speed = f"bf16 products {devices.cpu_bf16_speedup():.2f}x as fast as fp32 on this CPU"
+            if self.bf16_step is not None:
+                speed += f", this model's training pass {self.bf16_step:.2f}x"
             precision += f" (train.amp auto: {why}{speed})"
         log.info(
             "device %s, precision %s, %d parameters, %d training pairs, %d val sentences, padding %.1f%%",

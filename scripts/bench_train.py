@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mtx.cli import add_set_option, int_in, script_parser, thread_count, usable_cpus  # noqa: E402
 from mtx.config import Config, ModelConfig, load_config  # noqa: E402
 from mtx.data import Batch, ParallelIds, load_corpus, padding_fraction, plan_batches, resolve_data_dir, texts  # noqa: E402
-from mtx.device import amp_dtype, autocast, cpu_bf16_speedup  # noqa: E402
+from mtx.device import amp_dtype, auto_cpu_amp, autocast, cpu_bf16_speedup  # noqa: E402
 from mtx.errors import ConfigError, MtxError, run_script, shown  # noqa: E402
 from mtx.loss import label_smoothed_loss, training_loss  # noqa: E402
 from mtx.model import Dropout, Seq2Seq, make_src_mask, sinusoidal_positions  # noqa: E402
@@ -327,7 +327,12 @@ def main() -> None:
     # without native bf16 (AVX-512 bf16/AMX) autocast emulates it, many times slower than fp32:
     # train.amp auto then trains in fp32, and timing bf16 would only measure the emulation
     native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    auto_amp = amp_dtype(cpu, "auto")  # what train.amp auto trains in on this CPU
+    # what train.amp auto trains in on this CPU: mtx train's timing, of this model on a batch of median length
+    median = plan_batches(ids.src_lens, ids.tgt_lens, cfg.train.batch_tokens)
+    median_batch, timed_model = ids.batch(median[len(median) // 2]), settings["mtx fp32"][0]
+    auto_amp, pass_speedup = auto_cpu_amp(
+        timed_model, lambda: label_smoothed_loss(timed_model, median_batch, cfg.train.label_smoothing)
+    )
     ref_bf16 = "reference bf16 autocast"
     # train.amp fp32 times fp32 only, bf16 times bf16 even where emulated, as mtx train then trains
     # (stop 64: the bf16 rows were timed, and could be best_setting, whatever train.amp said)
@@ -405,6 +410,8 @@ def main() -> None:
     print(f"matmul peak measured here: fp32 {peaks[torch.float32]:.0f} GFLOP/s, {bf16_peak}")
     amp_auto = "bf16" if auto_amp else "fp32"
     timing = f"bf16 products at {cpu_bf16_speedup():.2f}x the speed of fp32"
+    if pass_speedup is not None:
+        timing += f", this model's training pass at {pass_speedup:.2f}x"
     print(f"train.amp auto trains in {amp_auto} here (its timing: {timing})")
     print(f"{'setting':34s} {'tgt tok/s':>10s} {'src+tgt tok/s':>14s} {'GFLOP/s':>8s} {'of peak':>8s} {'vs ref':>7s}")
     ref_name = next(iter(steps))
@@ -447,9 +454,11 @@ def main() -> None:
             {
                 "speedup_vs_reference": round(rates[best] / rates[ref_name], 3),
                 "best_setting": best,
-                # what train.amp auto trains in on this CPU, from its timing of bf16 against fp32 products
+                # what train.amp auto trains in on this CPU, from its timings of bf16 against fp32: of
+                # products, then (where they are fast) of this model's training pass
                 "amp_auto": amp_auto,
                 "cpu_bf16_speedup": round(cpu_bf16_speedup(), 3),
+                "bf16_pass_speedup": None if pass_speedup is None else round(pass_speedup, 3),
                 "mtx_tgt_tok_per_s": round(rates[best], 1),
                 "reference_tgt_tok_per_s": round(rates[ref_name], 1),
                 "mtx_fp32_tgt_tok_per_s": round(rates["mtx fp32"], 1),

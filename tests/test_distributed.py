@@ -278,6 +278,12 @@ def amp_worker(rank: int, data_dir: Path, run_dir: Path, store: Path, out: Path)
     import mtx.device
 
     mtx.device.cpu_bf16_speedup = lambda: 2.5 if rank == 0 else 0.6
+
+    def pass_speedup(model: object, step: object) -> float:  # rank 0 alone times the model's pass
+        assert rank == 0, "rank 1 timed the model's pass"
+        return 2.0
+
+    mtx.device.bf16_step_speedup = pass_speedup
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
@@ -292,7 +298,8 @@ def amp_worker(rank: int, data_dir: Path, run_dir: Path, store: Path, out: Path)
 
 
 def test_ranks_train_in_rank_0s_choice_of_precision(tmp_path: Path, mini_data: Path) -> None:
-    """`train.amp: auto` on CPU: each rank times bf16 itself, and rank 0's choice holds for every rank."""
+    """`train.amp: auto` on CPU: each rank times bf16 products itself, rank 0 the model's training
+    pass too, and rank 0's choice holds for every rank."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     mp.spawn(amp_worker, args=(mini_data, run_dir, tmp_path / "store", tmp_path), nprocs=2, join=True)

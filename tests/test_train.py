@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 import shutil
 import signal
@@ -24,7 +25,7 @@ from mtx import train as train_module
 from mtx.cli import main
 from mtx.config import Config, ModelConfig, TrainConfig, load_config
 from mtx.data import Batch
-from mtx.device import BF16_MIN_SPEEDUP, amp_dtype, cpu_bf16_speedup
+from mtx.device import BF16_MIN_SPEEDUP, BF16_MIN_STEP_SPEEDUP, amp_dtype, cpu_bf16_speedup
 from mtx.errors import MtxError
 from mtx.loss import (
     ProjectedRDropLoss,
@@ -385,6 +386,49 @@ def test_auto_trains_in_bf16_only_where_bf16_products_are_measured_fast(
 
 
 @pytest.mark.parametrize(
+    ("products", "model_pass", "expected"),
+    [(1.49, 5.0, None), (2.5, 0.77, None), (2.5, 1.19, None), (2.5, 1.2, torch.bfloat16), (2.5, 2.1, torch.bfloat16)],
+)
+def test_auto_trains_in_bf16_only_where_the_models_own_pass_is_measured_fast(
+    monkeypatch: pytest.MonkeyPatch, products: float, model_pass: float, expected: torch.dtype | None
+) -> None:
+    """Fast bf16 products are not enough: on a CPU with AMX the tiny config's d_model 64 model
+    trained 2.25x slower in bf16 (stop 70), its training pass timed at 0.77x (stop 71). The pass is
+    timed only where the products are fast."""
+    timed: list[float] = []
+
+    def pass_speedup(model: torch.nn.Module, step: object) -> float:
+        timed.append(model_pass)
+        return model_pass
+
+    monkeypatch.setattr(device_module, "cpu_bf16_speedup", lambda: products)
+    monkeypatch.setattr(device_module, "bf16_step_speedup", pass_speedup)
+    amp, speedup = device_module.auto_cpu_amp(torch.nn.Linear(2, 2), lambda: torch.zeros(()))
+    assert amp is expected
+    assert (speedup, timed) == ((None, []) if products < BF16_MIN_SPEEDUP else (model_pass, [model_pass]))
+    assert (expected is not None) == (products >= BF16_MIN_SPEEDUP and model_pass >= BF16_MIN_STEP_SPEEDUP)
+
+
+def test_a_models_pass_is_timed_without_moving_the_generators_or_leaving_gradients() -> None:
+    """The timing runs dropout's draws on a fork of the generators: a run that times its pass
+    draws the masks of one that does not; no gradient is left for the first update to add to."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.3), torch.nn.Linear(64, 1000)).train()
+    x = torch.randn(256, 64)
+    calls = []
+
+    def step() -> torch.Tensor:
+        calls.append(torch.is_autocast_enabled("cpu"))
+        return model(x).float().logsumexp(-1).sum()
+
+    state = torch.get_rng_state()
+    speedup = device_module.bf16_step_speedup(model, step)
+    assert speedup > 0 and math.isfinite(speedup)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(p.grad is None for p in model.parameters())
+    assert calls == [False, True] * 3  # a warm-up each, then two timed each, alternating
+
+
+@pytest.mark.parametrize(
     ("first", "then"), [(2.5, 1.2), (1.2, 2.5)], ids=["bf16 run, fp32 timing", "fp32 run, bf16 timing"]
 )
 def test_auto_precision_on_cpu_goes_on_as_the_run_was_trained(
@@ -395,9 +439,17 @@ def test_auto_precision_on_cpu_goes_on_as_the_run_was_trained(
     run = tmp_path / "run"
     base = ["--set", "train.device=cpu", "--set", "train.amp=auto", "--set", "train.eval_every=1000"]
     monkeypatch.setattr(device_module, "cpu_bf16_speedup", lambda: first)
+    passes: list[float] = []
+    monkeypatch.setattr(device_module, "bf16_step_speedup", lambda model, step: passes.append(1.5) or 1.5)
     assert main(tiny_args(small_data, run, *base, "--set", "train.max_steps=2")) == 0
     trained = "bf16" if first >= BF16_MIN_SPEEDUP else "fp32"
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["cpu_amp"] == trained
+    log_text = (run / "train.log").read_text()
+    if trained == "bf16":  # the model's pass timed where the products were fast, and said
+        assert passes == [1.5] and f"bf16 products {first:.2f}x as fast as fp32 on this CPU, this model's " in log_text
+        assert "training pass 1.50x)" in log_text
+    else:
+        assert passes == [] and "training pass" not in log_text
     monkeypatch.setattr(device_module, "cpu_bf16_speedup", lambda: then)
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=3"]) == 0
     resumed = (run / "train.log").read_text().split(" INFO done: ")[1]  # the resumed session's lines
@@ -405,6 +457,7 @@ def test_auto_precision_on_cpu_goes_on_as_the_run_was_trained(
     assert ("precision bfloat16" in resumed) == (trained == "bf16")
     # the timing printed beside the kept precision, not as what chose it (stop 55)
     assert f"(train.amp auto: as the run was trained; bf16 products {then:.2f}x as fast as fp32" in resumed
+    assert len(passes) == (trained == "bf16")  # a resume goes on as trained: it does not time the pass again
     # without native bf16 (emulated, many times slower) a bf16 run goes on in fp32
     monkeypatch.setattr(device_module, "cpu_bf16_speedup", lambda: 0.0)
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=4"]) == 0
