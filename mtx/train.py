@@ -484,7 +484,16 @@ class Trainer:
         if tc.amp == "auto" and self.device.type == "cpu" and ranks.is_main and not self.resumed:
             # this model's pass, timed (stop 71: bf16 products alone chose bf16 for a d_model 64 model
             # that then trained 2.25x slower); a resume goes on as the run was trained (`_restore`)
-            amp, self.bf16_step = devices.auto_cpu_amp(self.model, self._median_batch_loss())
+            try:
+                amp, self.bf16_step = devices.auto_cpu_amp(self.model, self._median_batch_loss())
+            except RuntimeError as e:  # the CPU allocator's failure: one line, before anything trained
+                if not out_of_memory(e):
+                    raise
+                usual = "lower train.batch_tokens (raising train.accum_steps keeps an update's tokens)"
+                raise MtxError(
+                    f"out of memory on {self.device} in a training pass (train.batch_tokens={tc.batch_tokens}), "
+                    f"timed for train.amp auto before the first step; {memory_advice(usual, self.device)}"
+                ) from None
         if tc.amp == "auto" and self.device.type == "cpu" and ranks.world_size > 1:
             # each rank timed bf16 on its own (`cpu_bf16_speedup`): rank 0's choice holds for all
             amp = torch.bfloat16 if self._from_main(amp is not None) else None

@@ -409,6 +409,26 @@ def test_auto_trains_in_bf16_only_where_the_models_own_pass_is_measured_fast(
     assert (expected is not None) == (products >= BF16_MIN_SPEEDUP and model_pass >= BF16_MIN_STEP_SPEEDUP)
 
 
+def test_out_of_memory_in_autos_timed_pass_is_one_line_and_leaves_no_run(
+    tmp_path: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The pass `train.amp: auto` times is a training batch's: where it does not fit, the one line
+    of a step that does not, before anything trained, and the new run's directory is removed."""
+
+    def no_memory(model: object, step: object) -> float:
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(device_module, "cpu_bf16_speedup", lambda: 2.5)
+    monkeypatch.setattr(device_module, "bf16_step_speedup", no_memory)
+    run = tmp_path / "run"
+    assert main(tiny_args(small_data, run, "--set", "train.amp=auto", "--set", "train.device=cpu")) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("mtx: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "out of memory on cpu in a training pass (train.batch_tokens=1500), timed for train.amp auto" in lines[0]
+    assert "lower train.batch_tokens" in lines[0] and not run.exists()
+
+
 def test_a_models_pass_is_timed_without_moving_the_generators_or_leaving_gradients() -> None:
     """The timing runs dropout's draws on a fork of the generators: a run that times its pass
     draws the masks of one that does not; no gradient is left for the first update to add to."""
