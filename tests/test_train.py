@@ -387,7 +387,7 @@ def test_auto_trains_in_bf16_only_where_bf16_products_are_measured_fast(
 
 @pytest.mark.parametrize(
     ("products", "model_pass", "expected"),
-    [(1.49, 5.0, None), (2.5, 0.77, None), (2.5, 1.19, None), (2.5, 1.2, torch.bfloat16), (2.5, 2.1, torch.bfloat16)],
+    [(1.49, 5.0, None), (2.5, 0.77, None), (2.5, 1.49, None), (2.5, 1.5, torch.bfloat16), (2.5, 2.1, torch.bfloat16)],
 )
 def test_auto_trains_in_bf16_only_where_the_models_own_pass_is_measured_fast(
     monkeypatch: pytest.MonkeyPatch, products: float, model_pass: float, expected: torch.dtype | None
@@ -460,14 +460,14 @@ def test_auto_precision_on_cpu_goes_on_as_the_run_was_trained(
     base = ["--set", "train.device=cpu", "--set", "train.amp=auto", "--set", "train.eval_every=1000"]
     monkeypatch.setattr(device_module, "cpu_bf16_speedup", lambda: first)
     passes: list[float] = []
-    monkeypatch.setattr(device_module, "bf16_step_speedup", lambda model, step: passes.append(1.5) or 1.5)
+    monkeypatch.setattr(device_module, "bf16_step_speedup", lambda model, step: passes.append(2.0) or 2.0)
     assert main(tiny_args(small_data, run, *base, "--set", "train.max_steps=2")) == 0
     trained = "bf16" if first >= BF16_MIN_SPEEDUP else "fp32"
     assert torch.load(run / "checkpoints" / "last.pt", weights_only=True)["cpu_amp"] == trained
     log_text = (run / "train.log").read_text()
     if trained == "bf16":  # the model's pass timed where the products were fast, and said
-        assert passes == [1.5] and f"bf16 products {first:.2f}x as fast as fp32 on this CPU, this model's " in log_text
-        assert "training pass 1.50x)" in log_text
+        assert passes == [2.0] and f"bf16 products {first:.2f}x as fast as fp32 on this CPU, this model's " in log_text
+        assert "training pass 2.00x)" in log_text
     else:
         assert passes == [] and "training pass" not in log_text
     monkeypatch.setattr(device_module, "cpu_bf16_speedup", lambda: then)
