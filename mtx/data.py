@@ -794,6 +794,13 @@ def epoch_plan(data: ParallelIds, batch_tokens: int, seed: int, epoch: int) -> l
     return plan_batches(data.src_lens, data.tgt_lens, batch_tokens, seed=seed * 100003 + epoch)
 
 
+def median_batch(data: ParallelIds, batch_tokens: int) -> Batch:
+    """A batch of `batch_tokens` of median length: the middle one of the plan without a seed, which
+    is in length order (the training pass that `train.amp: auto` times on a CPU)."""
+    plan = plan_batches(data.src_lens, data.tgt_lens, batch_tokens)
+    return data.batch(plan[len(plan) // 2])
+
+
 def epoch_batches(
     data: ParallelIds,
     batch_tokens: int,

@@ -49,6 +49,7 @@ from mtx.data import (
     extra_source_texts,
     is_test_split,
     load_corpus,
+    median_batch,
     padding_fraction,
     plan_batches,
     read_lines,
@@ -370,6 +371,9 @@ class PauseClock:
             return time.perf_counter() - self.paused - (late - self.TICK if late > self.GAP else 0.0)
 
 
+# what to do where a training step does not fit in memory
+_LOWER_BATCH = "lower train.batch_tokens (raising train.accum_steps keeps an update's tokens)"
+
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
@@ -489,10 +493,9 @@ class Trainer:
             except RuntimeError as e:  # the CPU allocator's failure: one line, before anything trained
                 if not out_of_memory(e):
                     raise
-                usual = "lower train.batch_tokens (raising train.accum_steps keeps an update's tokens)"
                 raise MtxError(
                     f"out of memory on {self.device} in a training pass (train.batch_tokens={tc.batch_tokens}), "
-                    f"timed for train.amp auto before the first step; {memory_advice(usual, self.device)}"
+                    f"timed for train.amp auto before the first step; {memory_advice(_LOWER_BATCH, self.device)}"
                 ) from None
         if tc.amp == "auto" and self.device.type == "cpu" and ranks.world_size > 1:
             # each rank timed bf16 on its own (`cpu_bf16_speedup`): rank 0's choice holds for all
@@ -508,10 +511,9 @@ class Trainer:
         return amp
 
     def _median_batch_loss(self) -> Callable[[], torch.Tensor]:
-        """The training loss of a batch of median length (the plan without a seed is in length order)."""
+        """The training loss of a batch of median length (`median_batch`)."""
         tc = self.cfg.train
-        plan = plan_batches(self.train_ids.src_lens, self.train_ids.tgt_lens, tc.batch_tokens)
-        batch = self.train_ids.batch(plan[len(plan) // 2]).to(self.device)
+        batch = median_batch(self.train_ids, tc.batch_tokens).to(self.device)
         return lambda: label_smoothed_loss(self.model, batch, tc.label_smoothing)
 
     def _run_tokenizers(self, train_src: list[str], train_tgt: list[str]) -> tuple[BPE, BPE]:
@@ -1740,10 +1742,9 @@ class Trainer:
             kept = f"last.pt from step {self.saved_step} is kept"
         else:
             kept = "no last.pt was saved yet"
-        usual = "lower train.batch_tokens (raising train.accum_steps keeps an update's tokens)"
         return MtxError(
             f"out of memory on {self.device} after step {st.step} "
-            f"(train.batch_tokens={tc.batch_tokens}); {memory_advice(usual, self.device)}; {kept}. "
+            f"(train.batch_tokens={tc.batch_tokens}); {memory_advice(_LOWER_BATCH, self.device)}; {kept}. "
             f"Resume with: {self._resume_command()} --set train.batch_tokens=N{after}"
         )
 

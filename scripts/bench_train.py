@@ -51,7 +51,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.cli import add_set_option, int_in, script_parser, thread_count, usable_cpus  # noqa: E402
 from mtx.config import Config, ModelConfig, load_config  # noqa: E402
-from mtx.data import Batch, ParallelIds, load_corpus, padding_fraction, plan_batches, resolve_data_dir, texts  # noqa: E402
+from mtx.data import (  # noqa: E402
+    Batch,
+    ParallelIds,
+    load_corpus,
+    median_batch,
+    padding_fraction,
+    plan_batches,
+    resolve_data_dir,
+    texts,
+)
 from mtx.device import amp_dtype, auto_cpu_amp, autocast, cpu_bf16_speedup  # noqa: E402
 from mtx.errors import ConfigError, MtxError, run_script, shown  # noqa: E402
 from mtx.loss import label_smoothed_loss, training_loss  # noqa: E402
@@ -328,10 +337,9 @@ def main() -> None:
     # train.amp auto then trains in fp32, and timing bf16 would only measure the emulation
     native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     # what train.amp auto trains in on this CPU: mtx train's timing, of this model on a batch of median length
-    median = plan_batches(ids.src_lens, ids.tgt_lens, cfg.train.batch_tokens)
-    median_batch, timed_model = ids.batch(median[len(median) // 2]), settings["mtx fp32"][0]
+    timed_model, timed_batch = settings["mtx fp32"][0], median_batch(ids, cfg.train.batch_tokens)
     auto_amp, pass_speedup = auto_cpu_amp(
-        timed_model, lambda: label_smoothed_loss(timed_model, median_batch, cfg.train.label_smoothing)
+        timed_model, lambda: label_smoothed_loss(timed_model, timed_batch, cfg.train.label_smoothing)
     )
     ref_bf16 = "reference bf16 autocast"
     # train.amp fp32 times fp32 only, bf16 times bf16 even where emulated, as mtx train then trains
