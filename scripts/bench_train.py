@@ -341,6 +341,8 @@ def main() -> None:
     auto_amp, pass_speedup = auto_cpu_amp(
         timed_model, lambda: label_smoothed_loss(timed_model, timed_batch, cfg.train.label_smoothing)
     )
+    if cfg.train.amp == "auto":  # mtx train's choice takes the model's pass into account too
+        amp = auto_amp
     ref_bf16 = "reference bf16 autocast"
     # train.amp fp32 times fp32 only, bf16 times bf16 even where emulated, as mtx train then trains
     # (stop 64: the bf16 rows were timed, and could be best_setting, whatever train.amp said)
