@@ -202,6 +202,12 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-cache", action="store_true", help="recompute the decoder over the whole prefix each step")
     p.add_argument(
+        "--keep-spaces",
+        action="store_true",
+        help="read the source's whitespace as written (default: decode.normalize_spaces: runs of whitespace, "
+        "no-break spaces and tabs too, read as one space; soft hyphens and zero-width spaces dropped)",
+    )
+    p.add_argument(
         "--stop",
         choices=STOPS,
         help="beam search's stop (default: decode.stop): exact, once no running hypothesis can beat the best "
@@ -531,6 +537,7 @@ class _DecodeSettings(NamedTuple):
     batch_tokens: int
     workers: int
     stop: str
+    one_space: bool  # each source line read by `mtx.data.one_spaced`
 
 
 def _decode_settings(args: argparse.Namespace, cfg_decode: DecodeConfig) -> _DecodeSettings:
@@ -548,7 +555,8 @@ def _decode_settings(args: argparse.Namespace, cfg_decode: DecodeConfig) -> _Dec
         raise MtxError(f"--batch-tokens must be >= 1, got {batch_tokens}")
     if workers < 0:
         raise MtxError(f"--workers must be >= 0 (0: auto), got {workers}")
-    return _DecodeSettings(beam, alpha, batch_tokens, workers, stop)
+    one_space = cfg_decode.normalize_spaces and not args.keep_spaces
+    return _DecodeSettings(beam, alpha, batch_tokens, workers, stop, one_space)
 
 
 def _precision(args: argparse.Namespace, cfg: Config) -> str:
@@ -700,7 +708,7 @@ def _write_translations(
         for before, lines in chunks:  # from standard input: each as soon as it has been read
             hyps = translate_ids(
                 run.model,
-                run.src_tok.encode_batch(lines, run.model.cfg.max_positions - 1),
+                run.src_tok.encode_batch(lines, run.model.cfg.max_positions - 1, settings.one_space),
                 settings.beam,
                 settings.alpha,
                 dc.max_len_a,
@@ -751,12 +759,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _hypotheses_name(
-    args: argparse.Namespace, split: str, beam: int, stop: str, cfg: Config, alpha: float | None = None
-) -> str:
+def _hypotheses_name(args: argparse.Namespace, split: str, settings: _DecodeSettings, cfg: Config) -> str:
     """`eval`'s default hypotheses file: SPLIT.beamN.LANG for the run's own checkpoint in fp32 with
-    the run's length penalty; the checkpoints given, another length penalty (`alpha`), the inexact
-    stop and bf16 add their tags, so those outputs do not replace it."""
+    the run's length penalty; the checkpoints given, another length penalty, the inexact stop, bf16
+    and sources read as written against the run's `decode.normalize_spaces` add their tags, so
+    those outputs do not replace it."""
     from mtx.checkpoint import checkpoint_dir
 
     tags = []
@@ -771,15 +778,18 @@ def _hypotheses_name(
             # as does one checkpoint named like an ensemble (stop 62: a+b.pt's file was a and b's)
             paths = "\n".join(str(path.resolve()) for path in args.checkpoint)
             tags.append(hashlib.sha1(paths.encode("utf-8")).hexdigest()[:8])
+    beam, alpha = settings.beam, settings.alpha
     tags.append(f"beam{beam}")
-    if beam > 1 and alpha is not None and alpha != cfg.decode.length_penalty:
+    if beam > 1 and alpha != cfg.decode.length_penalty:
         alpha += 0.0  # -0.0 -> 0.0 (not "lp-0")
         short = f"{alpha:g}"  # lp2, lp0.6 as before; the exact value where 6 digits would round it
         tags.append(f"lp{short if float(short) == alpha else repr(alpha)}")
-    if beam > 1 and stop == "finished":
+    if beam > 1 and settings.stop == "finished":
         tags.append("finished")
     if _precision(args, cfg) != "fp32":
         tags.append(_precision(args, cfg))
+    if settings.one_space != cfg.decode.normalize_spaces:
+        tags.append("spaces")
     return ".".join([split, *tags, cfg.data.tgt_lang])
 
 
@@ -972,7 +982,7 @@ def _hypotheses_path(args: argparse.Namespace, cfg: Config, data: _EvalSet, sett
     source = _source_tag(args, data.name, cfg.data.dir)
     output = args.output
     if output is None:
-        output = args.run / "eval" / _hypotheses_name(args, source, settings.beam, settings.stop, cfg, settings.alpha)
+        output = args.run / "eval" / _hypotheses_name(args, source, settings, cfg)
     name = data.name
     check_output(
         output,
@@ -1009,7 +1019,7 @@ def _decode_hypotheses(
             text = translate(
                 run.model,
                 run.tgt_tok,
-                run.src_tok.encode_batch(data.src, run.model.cfg.max_positions - 1),
+                run.src_tok.encode_batch(data.src, run.model.cfg.max_positions - 1, settings.one_space),
                 settings.beam,
                 settings.alpha,
                 cfg.decode.max_len_a,
@@ -1056,6 +1066,7 @@ def _report_scores(
         "length_penalty": alpha if beam > 1 else None,  # (greedy has none)
         "stop": stop,
         "precision": _precision(args, cfg),
+        "normalize_spaces": settings.one_space,
         # the files decoded with, the run's default one too (stop 63: [] unless --checkpoint was given)
         "checkpoints": [str(p) for p in run.checkpoints],
         "src_file": str(data.src_file),

@@ -154,6 +154,10 @@ class DecodeConfig:
     # output of running to the length cap) | finished (once `beam` hypotheses have finished, as
     # fairseq stops: faster, and may miss a better hypothesis still running)
     stop: str = "exact"
+    # a source line's runs of whitespace inside it (tabs, no-break spaces, doubled spaces) read as
+    # one space, and soft hyphens and zero-width spaces dropped (`mtx.data.one_spaced`); false:
+    # read as written, as training reads its data (`--keep-spaces`)
+    normalize_spaces: bool = True
 
 
 @dataclass(frozen=True)

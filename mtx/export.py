@@ -30,7 +30,7 @@ from tokenizers import Regex, Tokenizer, decoders, normalizers
 from mtx import __version__
 from mtx.checkpoint import LoadedRun, abandoned, fsync_dir, make_held
 from mtx.config import QUANTIZATIONS
-from mtx.data import stripped
+from mtx.data import DROPPED_INSIDE, stripped
 from mtx.errors import MtxError, import_failed, named_os_errors
 from mtx.model import Ensemble, ScaleNorm, Seq2Seq
 from mtx.plot import parent_directories
@@ -65,7 +65,7 @@ def _char_class(wanted: Callable[[str], bool]) -> str:
     return "[" + "".join(f"\\x{{{a:X}}}" + (f"-\\x{{{b:X}}}" if b > a else "") for a, b in ranges) + "]"
 
 
-def exported_tokenizer(tok: BPE, source: bool) -> Tokenizer:
+def exported_tokenizer(tok: BPE, source: bool, one_space: bool = False) -> Tokenizer:
     """`tok` as a `tokenizers` file that reads and writes a line as mtx does.
 
     - The characters `mtx.data.clean_line` drops at either end of a line (whitespace, a byte order
@@ -76,13 +76,20 @@ def exported_tokenizer(tok: BPE, source: bool) -> Tokenizer:
     - On the source side, the special tokens' text (`</s>`, `<unk>`) in a line is text, as mtx
       reads it (`encode_special_tokens`, which the file does not keep: stop 65, `Ein </s> Mann`
       was read as an end of sentence). The target side keeps them as special tokens, so that
-      decoding drops them as mtx does."""
+      decoding drops them as mtx does.
+    - With `one_space` (a source read under `decode.normalize_spaces`), the characters
+      `mtx.data.one_spaced` drops inside a line go first, and each run of whitespace inside it is
+      one space."""
     edge, breaks = _patterns()
     spec = json.loads(tok.tokenizer.to_str())
     if source:
         spec["added_tokens"] = []
     out = Tokenizer.from_str(json.dumps(spec))
-    out.normalizer = normalizers.Sequence([normalizers.Replace(Regex(edge), ""), out.normalizer])
+    steps = [normalizers.Replace(Regex(edge), ""), out.normalizer]
+    if one_space:
+        inside, spaces = _one_space_patterns()
+        steps = [normalizers.Replace(Regex(inside), ""), steps[0], normalizers.Replace(Regex(spaces), " "), steps[1]]
+    out.normalizer = normalizers.Sequence(steps)
     out.decoder = decoders.Sequence([out.decoder, decoders.Replace(Regex(breaks), " ")])
     return out
 
@@ -92,6 +99,12 @@ def _patterns() -> tuple[str, str]:
     """(what `clean_line` drops at a line's ends, a run of line breaks) as `tokenizers` regexes."""
     edge = _char_class(stripped)
     return f"\\A{edge}+|{edge}+\\z", _char_class(lambda c: c in LINE_BREAKS) + "+"
+
+
+@functools.cache
+def _one_space_patterns() -> tuple[str, str]:
+    """(what `one_spaced` drops inside a line, a run of whitespace) as `tokenizers` regexes."""
+    return _char_class(lambda c: ord(c) in DROPPED_INSIDE), _char_class(str.isspace) + "+"
 
 
 def ctranslate2_vocabulary(tok: BPE) -> list[str]:
@@ -287,7 +300,8 @@ def _write_model(run: LoadedRun, spec: Any, staging: Path, out_dir: Path, quanti
         spec.save(str(staging))
         # written by Python: `tokenizers`' save takes a UTF-8 path only (an --out named in other bytes)
         for tok, name in ((run.src_tok, "source_tokenizer.json"), (run.tgt_tok, "target_tokenizer.json")):
-            exported = exported_tokenizer(tok, source=name.startswith("source"))
+            source = name.startswith("source")
+            exported = exported_tokenizer(tok, source, one_space=source and run.cfg.decode.normalize_spaces)
             (staging / name).write_text(exported.to_str(pretty=True), encoding="utf-8")
         cfg = run.cfg
         info = {

@@ -51,7 +51,7 @@ class BPE:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
-    def encode_batch(self, texts: Sequence[str], max_pieces: int = 0) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], max_pieces: int = 0, one_space: bool = False) -> list[list[int]]:
         """Text -> ids without specials (callers add BOS/EOS where their role needs them), each
         text read as mtx reads a line (`mtx.data.clean_line`: whitespace and invisible characters
         at its ends dropped), so that a program calling this gets the ids `mtx translate` decodes
@@ -60,10 +60,13 @@ class BPE:
         With `max_pieces` (callers that read only the first `max_pieces` pieces and whether there
         are more), a text too long for that is cut first (`head`), so that memory follows what is
         read: tokenizers takes about 37 bytes per input byte, and a 32 MB one-word line took 6.8 GB
-        (stop 65). The first `max_pieces` ids are those of the whole text, and a cut text keeps more."""
-        from mtx.data import clean_line  # (mtx.data imports this module)
+        (stop 65). The first `max_pieces` ids are those of the whole text, and a cut text keeps more.
 
-        texts = [clean_line(text) for text in texts]
+        With `one_space`, each text is read as decoding reads a source line (`mtx.data.one_spaced`:
+        runs of whitespace inside it one space too; `decode.normalize_spaces`)."""
+        from mtx.data import clean_line, one_spaced  # (mtx.data imports this module)
+
+        texts = [(one_spaced if one_space else clean_line)(text) for text in texts]
         if max_pieces:
             texts = [self.head(text, max_pieces + 1) for text in texts]
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]

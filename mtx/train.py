@@ -50,6 +50,7 @@ from mtx.data import (
     is_test_split,
     load_corpus,
     median_batch,
+    one_spaced,
     padding_fraction,
     plan_batches,
     read_lines,
@@ -585,7 +586,10 @@ class Trainer:
         if ranks.is_main:
             warn_unless_nfc(self.valid_refs, f"{cfg.data.valid_split}.{cfg.data.tgt_lang}")
             warn_of_invisible_ends(self.valid_refs, str(ref_file))
-        # a val line beyond the positions is cut before tokenising (stop 65: a 32 MB line took 4.2 GB)
+        # the sources as `mtx eval` reads them (decode.normalize_spaces); a val line beyond the
+        # positions is cut before tokenising (stop 65: a 32 MB line took 4.2 GB)
+        if cfg.decode.normalize_spaces:
+            valid_src = [one_spaced(line) for line in valid_src[:n_val]]
         self.valid_ids = ParallelIds.encode(
             valid_src[:n_val], valid_tgt[:n_val], self.src_tok, self.tgt_tok, read=cfg.model.max_positions - 1
         )

@@ -93,7 +93,9 @@ def split_batches(
     if sentences:
         src = src[:sentences]
     # as `mtx eval` reads them (stop 55: a traceback)
-    ids = within_positions(run.src_tok.encode_batch(src, run.model.cfg.max_positions - 1), run.model)
+    ids = within_positions(
+        run.src_tok.encode_batch(src, run.model.cfg.max_positions - 1, run.cfg.decode.normalize_spaces), run.model
+    )
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     return len(ids), [[ids[i] for i in order[j : j + batch_sentences]] for j in range(0, len(order), batch_sentences)]
 

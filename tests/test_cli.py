@@ -24,8 +24,9 @@ import tempfile
 import termios
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 import sacrebleu
@@ -45,6 +46,7 @@ from mtx.cli import (
     usable_cpus,
 )
 from mtx.config import Config, DecodeConfig, config_text, load_config, load_run_config
+from mtx.data import read_lines
 from mtx.errors import MtxError
 from mtx.outputs import check_output, data_files, stdin_is_stdout, training_data, utf8_stdout
 
@@ -345,6 +347,41 @@ def _read_line(stream: IO[bytes], seconds: float = 120) -> str:
 
 
 SENTENCES = ["Ein Mann fährt Fahrrad.", "", "Zwei Hunde spielen im Schnee.", "Eine Frau liest.", "Ein Kind lacht."]
+
+
+def test_translate_and_eval_read_a_sources_whitespace_as_one_space(
+    tiny_run: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Doubled spaces, tabs, no-break spaces, soft hyphens and zero-width spaces inside a source
+    line are read as the one space training saw (stop 72; stop 62's probe: no-break spaces for 10%
+    of test_2016_flickr's spaces cost 4.4 BLEU); `--keep-spaces` reads them as written, its eval
+    file tagged so that it does not replace the default one."""
+    spaced = [s.replace(" ", "  \u00a0", 1).replace(" ", "\t") + "\u200b" if s else s for s in SENTENCES]
+    spaced[0] = spaced[0].replace("Fahrrad", "Fahr\u00adrad")
+    options = ("translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "2")
+    plain = mtx_here(monkeypatch, *options, *SENTENCES)
+    assert plain.returncode == 0, plain.stderr.decode()
+    assert mtx_here(monkeypatch, *options, *spaced).stdout == plain.stdout
+    # as written: other pieces, so other scores
+    kept = mtx_here(monkeypatch, *options, "--keep-spaces", *spaced)
+    assert kept.returncode == 0 and kept.stdout != plain.stdout, kept.stderr.decode()
+
+    lines = read_lines(small_data / "val.de")[:40]
+    (tmp_path / "src.de").write_text("".join(line.replace(" ", " \u00a0") + "\n" for line in lines), encoding="utf-8")
+    (tmp_path / "plain.de").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    (tmp_path / "ref.en").write_text("".join(line + "\n" for line in read_lines(small_data / "val.en")[:40]))
+
+    def scores(src: str, *extra: str) -> dict[str, Any]:
+        argv = ["eval", "--run", str(tiny_run), "--src", str(tmp_path / src), "--ref", str(tmp_path / "ref.en")]
+        r = mtx_here(monkeypatch, *argv, "--beam", "1", "--json", *extra)
+        assert r.returncode == 0, r.stderr.decode()
+        return json.loads(r.stdout)
+
+    normal, as_written, plain_scores = scores("src.de"), scores("src.de", "--keep-spaces"), scores("plain.de")
+    assert normal["normalize_spaces"] and not as_written["normalize_spaces"]
+    assert normal["bleu"] == plain_scores["bleu"] != as_written["bleu"]
+    assert Path(as_written["hypotheses"]).name.split(".")[-3:] == ["beam1", "spaces", "en"]
+    assert Path(as_written["hypotheses"]).read_text() != Path(normal["hypotheses"]).read_text()
 
 
 def test_translate_streams_standard_input(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -912,10 +949,12 @@ def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision(t
 
     def name(*argv: str) -> str:
         args = build_parser().parse_args(["eval", "--run", "r", *argv])
-        alpha = cfg.decode.length_penalty if args.length_penalty is None else args.length_penalty
-        return _hypotheses_name(args, "val", args.beam or 1, args.stop or "exact", cfg, alpha)
+        return _hypotheses_name(args, "val", _decode_settings(args, replace(cfg.decode, beam=1)), cfg)
 
     assert name() == "val.beam1.en"
+    # sources read as written, against the run's decode.normalize_spaces (stop 72)
+    assert name("--keep-spaces") == "val.beam1.spaces.en"
+    assert name("--beam", "5", "--length-penalty", "0.6") == "val.beam5.lp0.6.en"
     assert name("--beam", "5", "--stop", "finished", "--precision", "bf16") == "val.beam5.finished.bf16.en"
     assert name("--beam", "1", "--stop", "finished") == "val.beam1.en"  # greedy has no stop to name
     assert name("--checkpoint", "r/checkpoints/step_7.pt", "--checkpoint", "r/checkpoints/avg.pt") == (
@@ -1469,12 +1508,13 @@ def test_main_leaves_the_calling_programs_logging_as_it_was(tiny_run: Path, tmp_
 def test_the_readmes_python_example_translates_as_the_command_does(tiny_run: Path) -> None:
     """README's "From Python" code, run as written on a run, gives `mtx translate`'s output, a
     byte order mark and direction marks at a line's ends read as the command reads them (stop
-    68's probe: the library's route kept them, 12 BLEU lost on val)."""
+    68's probe: the library's route kept them, 12 BLEU lost on val), and whitespace inside a line
+    too (stop 72)."""
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     code = readme.split("**From Python.**", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     assert 'Path("runs/tiny")' in code
     sentences = ["Ein Mann f\u00e4hrt Fahrrad.", "Zwei Hunde spielen im Schnee."]
-    marked = ["\ufeff" + sentences[0] + " \t", "\u200e" + sentences[1] + "\u200f"]
+    marked = ["\ufeff" + sentences[0].replace(" ", "\u00a0 ") + " \t", "\u200e" + sentences[1] + "\u200f"]
     code = code.replace('Path("runs/tiny")', f"Path({str(tiny_run)!r})").replace(
         json.dumps(sentences, ensure_ascii=False), repr(marked)
     )
@@ -1559,7 +1599,7 @@ def test_eval_shortens_checkpoint_tags_past_100_characters_only() -> None:
     cfg = load_config(REPO / "configs" / "tiny.yaml")
     for stem, expected in (("x" * 100, "val." + "x" * 100 + ".beam1.en"), ("x" * 101, None)):
         args = build_parser().parse_args(["eval", "--run", "r", "--checkpoint", f"r/checkpoints/{stem}.pt"])
-        name = _hypotheses_name(args, "val", 1, "exact", cfg, cfg.decode.length_penalty)
+        name = _hypotheses_name(args, "val", _decode_settings(args, replace(cfg.decode, beam=1)), cfg)
         if expected is None:
             assert re.fullmatch(r"val\.ensemble1\.[0-9a-f]{8}\.beam1\.en", name), name
         else:

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from mtx.config import DataConfig, TokenizerConfig
-from mtx.data import ParallelIds, clean_line, load_corpus, read_lines, stripped, texts
+from mtx.data import ParallelIds, clean_line, load_corpus, one_spaced, read_lines, stripped, texts
 from mtx.errors import CheckpointError
 from mtx.export import exported_tokenizer
 from mtx.tokenizer import BOS, BPE, EOS, PAD, UNK, train_bpe, train_or_load
@@ -195,6 +195,28 @@ def test_the_exported_tokenizers_read_and_write_a_line_as_mtx_does(tiny_run: Pat
         rng.shuffle(ids)
         assert target.decode(ids).strip() == tok.decode_batch([ids])[0]
     assert target.encode("Ein </s> Mann", add_special_tokens=False).ids[1] == EOS  # the target's specials stay special
+
+
+def test_the_exported_source_tokenizer_reads_spaces_as_decoding_does(tiny_run: Path, small_data: Path) -> None:
+    """Under `decode.normalize_spaces` (stop 72) the exported source file reads a line as
+    `encode_batch(one_space=True)` does: runs of whitespace inside it one space, soft hyphens and
+    zero-width spaces gone, its ends as before."""
+    tok = BPE.load(tiny_run / "tokenizer.json")
+    source = Tokenizer.from_str(exported_tokenizer(tok, source=True, one_space=True).to_str())
+    spaces = ["  ", "\t", "\u00a0", " \u3000 ", "\u2009", "\x0b\x0c", " \u200b "]
+    inside = ["\u00ad", "\u200b", "\u2060", "\ufeff", "\u200c"]
+    rng = random.Random(0)
+    changed = 0
+    for line in read_lines(small_data / "val.de")[:200]:
+        first, *words = line.split(" ")
+        text = first + "".join((rng.choice(spaces) if rng.random() < 0.3 else " ") + word for word in words)
+        cut = rng.randrange(len(text) + 1)
+        text = rng.choice(spaces) + text[:cut] + rng.choice(inside) + text[cut:] + rng.choice(["", " \u200e"])
+        want = tok.encode_batch([text], one_space=True)[0]
+        assert source.encode(text, add_special_tokens=False).ids == want, repr(text)
+        assert want == tok.encode_batch([one_spaced(text)])[0]
+        changed += want != tok.encode_batch([text])[0]
+    assert changed > 150  # read as written, nearly every line's pieces differ
 
 
 def test_a_line_too_long_for_a_sentence_is_left_out_of_bpe_training(caplog: pytest.LogCaptureFixture) -> None:

@@ -954,13 +954,16 @@ def test_validation_scores_references_as_mtx_eval_reads_them(
     shutil.copytree(small_data, data)
     clean = (small_data / "val.en").read_text(encoding="utf-8").splitlines()[:100]
     (data / "val.en").write_text("".join(f"\u200e{line}\n" for line in clean), encoding="utf-8")
-    (data / "val.de").write_text("".join((small_data / "val.de").read_text().splitlines(True)[:100]))
+    sources = (small_data / "val.de").read_text().splitlines()[:100]
+    # the sources read as `mtx eval` reads them (decode.normalize_spaces: stop 72)
+    (data / "val.de").write_text("".join(line.replace(" ", "\u00a0 ", 1) + "\n" for line in sources))
     cfg = load_config(TINY_CONFIG, [f"data.dir={data}", f"train.init_from={tiny_run}", "train.eval_sentences=0"])
     run_dir = tmp_path / "run"
     prepare_run_dir(run_dir, cfg, resume=False)
     trainer = Trainer(cfg, run_dir, resume=False)
     assert f"{data / 'val.en'}: 100 of 100 reference lines begin or end with invisible characters" in caplog.text
     assert trainer.valid_ids.tgt_ids == trainer.tgt_tok.encode_batch(clean)  # the val loss's targets
+    assert trainer.valid_ids.src_ids == trainer.src_tok.encode_batch(sources, one_space=True)  # (val.de's 120\xa0cm)
     outputs = []
 
     def recorded(*args: object, **options: object) -> list[str]:
