@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple, NoReturn
 
-from mtx import __version__
+from mtx import ONEDNN_CACHE, __version__, default_onednn_cache
 from mtx.config import (
     AT_MOST,
     MAX_LENGTH_PENALTY,
@@ -1225,7 +1225,9 @@ def _callers_state_kept() -> Iterator[None]:
     """What a command changes for its process, as it was before, for a program that runs `main`
     (stop 68's probe): the root logger's handlers and level and the quieted libraries' levels (its
     log file stopped getting lines, other libraries' were muted for good), standard output's
-    object and encoding (switched to UTF-8 for good), and torch's thread count (`--threads`)."""
+    object and encoding (switched to UTF-8 for good), torch's thread count (`--threads`), and the
+    environment's oneDNN cache size, set for the command where the caller left it unset."""
+    onednn = default_onednn_cache()
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     levels = {name: logging.getLogger(name).level for name in _NOISY}
@@ -1235,6 +1237,8 @@ def _callers_state_kept() -> Iterator[None]:
     try:
         yield
     finally:
+        if onednn is None:
+            os.environ.pop(ONEDNN_CACHE[0], None)
         root.handlers[:] = handlers
         root.setLevel(level)
         for name, old in levels.items():

@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mtx import default_onednn_cache  # noqa: E402
 from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.cli import add_set_option, int_in, path_arg, script_parser, thread_count, usable_cpus  # noqa: E402
 from mtx.cli import main as mtx_main  # noqa: E402
@@ -343,6 +344,7 @@ def main() -> None:
         "fp32 adds two bf16 rows beside it where the CPU has native bf16",
     )
     args = parser.parse_args()
+    default_onednn_cache()  # oneDNN's kernel cache as mtx's commands set it
     native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if args.precision == "bf16" and not native_bf16:
         parser.error("--precision bf16 needs a CPU with native bf16 (AVX-512 BF16 or AMX); this one emulates it")

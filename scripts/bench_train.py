@@ -49,6 +49,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mtx import default_onednn_cache  # noqa: E402
 from mtx.cli import add_set_option, int_in, script_parser, thread_count, usable_cpus  # noqa: E402
 from mtx.config import Config, ModelConfig, load_config  # noqa: E402
 from mtx.data import (  # noqa: E402
@@ -304,6 +305,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time mtx under torch.compile")
     parser.add_argument("--ablate", action="store_true", help="also time mtx with each speed change undone")
     args = parser.parse_args()
+    default_onednn_cache()  # oneDNN's kernel cache as mtx's commands set it
 
     cfg = load_config(args.config, args.overrides)
     refuse_untimed(cfg)
