@@ -1593,15 +1593,17 @@ def test_decoding_options_take_their_bounds_and_refuse_the_next_value(tmp_path: 
     run.mkdir()
     (run / "config.yaml").write_text(config_text(Config()))
 
-    def settings(*argv: str) -> tuple[int, float, int, int, str]:
+    def settings(*argv: str) -> tuple[int, float, int, int, str, bool]:
         args = build_parser().parse_args(["translate", "--run", str(run), *argv, "x"])
         cfg, decoding = _settings(args)
         assert decoding == _decode_settings(args, cfg.decode)
         return decoding
 
     edges = ["--beam", "1000", "--length-penalty", "10", "--batch-tokens", "1", "--workers", "0"]
-    assert settings(*edges, "--threads", str(usable_cpus())) == (1000, 10.0, 1, 0, "exact")
-    assert settings("--length-penalty", "0", "--beam", "1") == (1, 0.0, DecodeConfig().batch_tokens, 0, "exact")
+    assert settings(*edges, "--threads", str(usable_cpus())) == (1000, 10.0, 1, 0, "exact", True)
+    assert settings("--length-penalty", "0", "--beam", "1", "--keep-spaces") == (
+        1, 0.0, DecodeConfig().batch_tokens, 0, "exact", False
+    )  # fmt: skip
     # -0 is taken as 0 (stop 70's probe: eval's header and JSON said "-0" of a file named lp0)
     assert str(settings("--length-penalty", "-0", "--beam", "2")[1]) == "0.0"
     for argv, message in (
