@@ -11,9 +11,11 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import tokenizers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -22,11 +24,40 @@ from mtx.config import TokenizerConfig
 from mtx.errors import CheckpointError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"  # where str.splitlines splits
 _LINE_BREAKS = re.compile(f"[{LINE_BREAKS}]+")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+
+
+def serial_if_no_threads(call: Callable[[], T]) -> T:
+    """`call()`, a `tokenizers` function that runs on its pool of threads; where that pool could
+    not start (a low limit on processes, `ulimit -u`: stop 67's probe, a Rust panic's traceback),
+    it runs again on the calling thread (`TOKENIZERS_PARALLELISM=false`), with a warning."""
+    try:
+        return call()
+    except BaseException as e:  # pyo3's PanicException derives from BaseException
+        if type(e).__name__ != "PanicException" or "thread pool" not in str(e):
+            raise
+        said = re.search(r'message: "([^"]*)"', str(e))  # the system's reason: "Resource temporarily unavailable"
+        reason = said.group(1) if said else "its thread pool did not start"
+    log.warning(
+        "tokenizers could not start its threads (%s; the limit on processes is %s): tokenizing on one thread",
+        reason,
+        _process_limit(),
+    )
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    return call()
+
+
+def _process_limit() -> str:
+    """`ulimit -u` as text."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"ulimit -u {soft}"
 
 
 def _tokenizers_before_0_20() -> bool:
@@ -69,7 +100,8 @@ class BPE:
         texts = [(one_spaced if one_space else clean_line)(text) for text in texts]
         if max_pieces:
             texts = [self.head(text, max_pieces + 1) for text in texts]
-        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        encoded = serial_if_no_threads(lambda: self.tokenizer.encode_batch(texts, add_special_tokens=False))
+        return [e.ids for e in encoded]
 
     @functools.cached_property
     def _longest_piece(self) -> int:
@@ -100,7 +132,8 @@ class BPE:
         """Ids -> text; special tokens are dropped, and a line break that byte-level pieces can
         spell (newline, carriage return, U+2028, ...) becomes a space, so that a translation is
         always one line of a hypotheses file."""
-        return [_LINE_BREAKS.sub(" ", t).strip() for t in self.tokenizer.decode_batch([list(x) for x in ids])]
+        texts = serial_if_no_threads(lambda: self.tokenizer.decode_batch([list(x) for x in ids]))
+        return [_LINE_BREAKS.sub(" ", t).strip() for t in texts]
 
     def with_dropout(self, p: float) -> BPE:
         """A copy that skips each merge with probability `p` (BPE-dropout, Provilkov et al.,
@@ -161,17 +194,19 @@ def train_bpe(texts: Iterable[str], cfg: TokenizerConfig, lang: str = "") -> BPE
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
+    texts = list(texts)  # read again where the first try could not start its threads
     long = 0
 
     def sentences() -> Iterator[str]:
         nonlocal long
+        long = 0
         for text in texts:
             if len(text) <= BPE_LONGEST_LINE:
                 yield text
             else:
                 long += 1
 
-    tokenizer.train_from_iterator(sentences(), trainer=trainer)
+    serial_if_no_threads(lambda: tokenizer.train_from_iterator(sentences(), trainer=trainer))
     if long:
         log.warning(
             "%d training line(s)%s longer than %d characters left out of BPE training: a run of text that long "

@@ -283,3 +283,41 @@ def test_min_frequency_leaves_out_merges_seen_fewer_times() -> None:
     vocabs = {n: train_bpe(texts, cfg).tokenizer.get_vocab() for n, cfg in config.items()}
     assert "Ġab" in vocabs[2] and "Ġab" not in vocabs[3]
     assert "Ġcd" in vocabs[2] and "Ġcd" in vocabs[3]
+
+
+def test_tokenizing_goes_on_one_thread_where_its_threads_cannot_start(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under a low `ulimit -u` tokenizers' thread pool panics (pyo3's PanicException, a
+    BaseException: stop 67's probe, a traceback); mtx tokenizes again on the calling thread with
+    a warning (checked as user nobody under `ulimit -u 4`: the translation, after Rust's panic
+    message). Other exceptions pass through."""
+    from mtx import tokenizer as tokenizer_module
+
+    class PanicException(BaseException):  # as pyo3 names it
+        pass
+
+    calls: list[str | None] = []  # TOKENIZERS_PARALLELISM at each call
+
+    def pool_fails_once() -> str:
+        calls.append(os.environ.get("TOKENIZERS_PARALLELISM"))
+        if len(calls) == 1:
+            raise PanicException(
+                "The global thread pool has not been initialized.: ThreadPoolBuildError { kind: IOError(Os { "
+                'code: 11, kind: WouldBlock, message: "Resource temporarily unavailable" }) }'
+            )
+        return "done"
+
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # (and restored after the test)
+    with caplog.at_level(logging.WARNING):
+        assert tokenizer_module.serial_if_no_threads(pool_fails_once) == "done"
+    assert calls == ["true", "false"]
+    assert "tokenizers could not start its threads (Resource temporarily unavailable; the limit" in caplog.text
+
+    def other() -> str:
+        raise PanicException("index out of bounds")
+
+    with pytest.raises(PanicException):
+        tokenizer_module.serial_if_no_threads(other)
+    with pytest.raises(KeyboardInterrupt):
+        tokenizer_module.serial_if_no_threads(lambda: (_ for _ in ()).throw(KeyboardInterrupt()))
