@@ -21,7 +21,7 @@ import tokenizers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from mtx.config import TokenizerConfig
-from mtx.errors import CheckpointError
+from mtx.errors import CheckpointError, process_limit
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,21 +43,14 @@ def serial_if_no_threads(call: Callable[[], T]) -> T:
             raise
         said = re.search(r'message: "([^"]*)"', str(e))  # the system's reason: "Resource temporarily unavailable"
         reason = said.group(1) if said else "its thread pool did not start"
+    limit = process_limit("RLIMIT_NPROC")
     log.warning(
         "tokenizers could not start its threads (%s; the limit on processes is %s): tokenizing on one thread",
         reason,
-        _process_limit(),
+        "unlimited" if limit is None else f"ulimit -u {limit}",
     )
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     return call()
-
-
-def _process_limit() -> str:
-    """`ulimit -u` as text."""
-    import resource
-
-    soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    return "unlimited" if soft == resource.RLIM_INFINITY else f"ulimit -u {soft}"
 
 
 def _tokenizers_before_0_20() -> bool:
