@@ -182,9 +182,10 @@ def cpu_bf16_speedup() -> float:
 
 # where bf16 products are fast, train.amp auto also needs the model's own training pass this much
 # faster in bf16. The pass, timed alone, runs ahead of whole training steps (the optimizer's update
-# stays fp32, and batches of many shapes evict oneDNN's bf16 kernels). On
-# stop 71's Xeon with AMX: d_model 64 (tiny) passes 0.89-0.91x, trained 0.44x (stop 70); the de->en
-# config's d_model 128 1.14-1.39x, trained 0.77x over 400 steps; d_model 256 1.98x, trained 1.3x
+# stays fp32, and a run's batches come in many shapes, each a new bf16 kernel). On stop 71's Xeon
+# with AMX: d_model 64 (tiny) passes 0.89-0.91x, trained 0.44x (stop 70); the de->en config's
+# d_model 128 1.14-1.39x, trained 0.77x over 400 steps with oneDNN's default cache, and 1.06-1.12x
+# at 2.9x the peak memory with mtx's larger one (stop 72); d_model 256 1.98x, trained 1.3x
 BF16_MIN_STEP_SPEEDUP = 1.5
 
 
