@@ -33,6 +33,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from mtx.config import CONFIG_FILE, Config, ModelConfig, load_run_config
 from mtx.errors import CheckpointError, MtxError, command_line, not_found, own_command, process_limit, shown
+from mtx.punctuation import COUNTS_FILE, load_folds
 from mtx.tokenizer import BPE, load_run_tokenizers
 
 if TYPE_CHECKING:  # torch where checkpoints are read or written: `plot` uses the file helpers (stop 69)
@@ -54,9 +55,9 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def run_files(run_dir: Path) -> list[Path]:
-    """A run's own files besides its checkpoints: config.yaml, metrics.jsonl, train.log and the
-    tokenizer(s), which its commands read or training writes."""
-    names = (CONFIG_FILE, "metrics.jsonl", "train.log")
+    """A run's own files besides its checkpoints: config.yaml, metrics.jsonl, train.log, the
+    tokenizer(s) and the sources' punctuation counts, which its commands read or training writes."""
+    names = (CONFIG_FILE, "metrics.jsonl", "train.log", COUNTS_FILE)
     return [run_dir / name for name in names] + sorted(run_dir.glob("tokenizer*.json"))
 
 
@@ -528,6 +529,22 @@ class LoadedRun:
     src_tok: BPE
     tgt_tok: BPE
     checkpoints: list[Path]
+    # {character: the one a source's is read as} (`mtx.punctuation.folds`; {} for a run trained before stop 73)
+    folds: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def encode_sources(
+        self, lines: Sequence[str], one_space: bool | None = None, fold: bool | None = None
+    ) -> list[list[int]]:
+        """Source lines -> ids as `mtx translate` and `mtx eval` read them: whitespace as one space
+        (`one_space`, default decode.normalize_spaces) and punctuation the training data lacks read
+        as it has it (`fold`, default decode.normalize_punctuation), each line cut at the model's
+        positions."""
+        dc = self.cfg.decode
+        one_space = dc.normalize_spaces if one_space is None else one_space
+        fold = dc.normalize_punctuation if fold is None else fold
+        return self.src_tok.encode_batch(
+            lines, self.model.cfg.max_positions - 1, one_space, self.folds if fold else None
+        )
 
 
 def build_model(cfg: Config, src_tok: BPE, tgt_tok: BPE, output_ids: torch.Tensor | None = None) -> Seq2Seq:
@@ -638,13 +655,14 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
         if device is not None:
             member.to(device)
         members.append(member)
+    folds = load_folds(run_dir, cfg.data.src_lang)
     if len(members) == 1:
-        return LoadedRun(cfg, members[0], src_tok, tgt_tok, list(checkpoints))
+        return LoadedRun(cfg, members[0], src_tok, tgt_tok, list(checkpoints), folds)
     try:
         ensemble = Ensemble(members)
     except ValueError as e:  # restricted softmaxes over different pieces
         raise CheckpointError(f"{', '.join(map(str, checkpoints))}: {e}") from None
-    return LoadedRun(cfg, ensemble, src_tok, tgt_tok, list(checkpoints))
+    return LoadedRun(cfg, ensemble, src_tok, tgt_tok, list(checkpoints), folds)
 
 
 def member_check(cfg: Config, src_tok: BPE, tgt_tok: BPE) -> Callable[[dict[str, Any], Path], None]:

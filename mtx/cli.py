@@ -208,6 +208,12 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
         "no-break spaces and tabs too, read as one space; soft hyphens and zero-width spaces dropped)",
     )
     p.add_argument(
+        "--keep-punctuation",
+        action="store_true",
+        help="read the source's quotes, apostrophes and dashes as written (default: decode.normalize_punctuation: "
+        "one the run's training sources (nearly) never have read as the form they have, e.g. ’ as ')",
+    )
+    p.add_argument(
         "--stop",
         choices=STOPS,
         help="beam search's stop (default: decode.stop): exact, once no running hypothesis can beat the best "
@@ -538,6 +544,7 @@ class _DecodeSettings(NamedTuple):
     workers: int
     stop: str
     one_space: bool  # each source line read by `mtx.data.one_spaced`
+    fold: bool  # and its punctuation by the run's `mtx.punctuation.folds`
 
 
 def _decode_settings(args: argparse.Namespace, cfg_decode: DecodeConfig) -> _DecodeSettings:
@@ -556,7 +563,8 @@ def _decode_settings(args: argparse.Namespace, cfg_decode: DecodeConfig) -> _Dec
     if workers < 0:
         raise MtxError(f"--workers must be >= 0 (0: auto), got {workers}")
     one_space = cfg_decode.normalize_spaces and not args.keep_spaces
-    return _DecodeSettings(beam, alpha, batch_tokens, workers, stop, one_space)
+    fold = cfg_decode.normalize_punctuation and not args.keep_punctuation
+    return _DecodeSettings(beam, alpha, batch_tokens, workers, stop, one_space, fold)
 
 
 def _precision(args: argparse.Namespace, cfg: Config) -> str:
@@ -708,7 +716,7 @@ def _write_translations(
         for before, lines in chunks:  # from standard input: each as soon as it has been read
             hyps = translate_ids(
                 run.model,
-                run.src_tok.encode_batch(lines, run.model.cfg.max_positions - 1, settings.one_space),
+                run.encode_sources(lines, settings.one_space, settings.fold),
                 settings.beam,
                 settings.alpha,
                 dc.max_len_a,
@@ -762,8 +770,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _hypotheses_name(args: argparse.Namespace, split: str, settings: _DecodeSettings, cfg: Config) -> str:
     """`eval`'s default hypotheses file: SPLIT.beamN.LANG for the run's own checkpoint in fp32 with
     the run's length penalty; the checkpoints given, another length penalty, the inexact stop, bf16
-    and sources read as written against the run's `decode.normalize_spaces` add their tags, so
-    those outputs do not replace it."""
+    and sources read as written against the run's `decode.normalize_spaces` (`spaces`) or
+    `decode.normalize_punctuation` (`punctuation`) add their tags, so those outputs do not replace it."""
     from mtx.checkpoint import checkpoint_dir
 
     tags = []
@@ -790,6 +798,8 @@ def _hypotheses_name(args: argparse.Namespace, split: str, settings: _DecodeSett
         tags.append(_precision(args, cfg))
     if settings.one_space != cfg.decode.normalize_spaces:
         tags.append("spaces")
+    if settings.fold != cfg.decode.normalize_punctuation:
+        tags.append("punctuation")
     return ".".join([split, *tags, cfg.data.tgt_lang])
 
 
@@ -1019,7 +1029,7 @@ def _decode_hypotheses(
             text = translate(
                 run.model,
                 run.tgt_tok,
-                run.src_tok.encode_batch(data.src, run.model.cfg.max_positions - 1, settings.one_space),
+                run.encode_sources(data.src, settings.one_space, settings.fold),
                 settings.beam,
                 settings.alpha,
                 cfg.decode.max_len_a,
@@ -1067,6 +1077,8 @@ def _report_scores(
         "stop": stop,
         "precision": _precision(args, cfg),
         "normalize_spaces": settings.one_space,
+        "normalize_punctuation": settings.fold,
+        "punctuation_read_as": run.folds if settings.fold else {},  # {character: the one it was read as}
         # the files decoded with, the run's default one too (stop 63: [] unless --checkpoint was given)
         "checkpoints": [str(p) for p in run.checkpoints],
         "src_file": str(data.src_file),

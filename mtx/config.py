@@ -158,6 +158,10 @@ class DecodeConfig:
     # one space, and soft hyphens and zero-width spaces dropped (`mtx.data.one_spaced`); false:
     # read as written, as training reads its data (`--keep-spaces`)
     normalize_spaces: bool = True
+    # a source's quotes, apostrophes and dashes that the training sources (nearly) never have read
+    # as the form they have (`mtx.punctuation.folds`: `’` as `'` for Multi30k's French); false:
+    # read as written, as training reads its data (`--keep-punctuation`)
+    normalize_punctuation: bool = True
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import os
 import shutil
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,9 @@ def _char_class(wanted: Callable[[str], bool]) -> str:
     return "[" + "".join(f"\\x{{{a:X}}}" + (f"-\\x{{{b:X}}}" if b > a else "") for a, b in ranges) + "]"
 
 
-def exported_tokenizer(tok: BPE, source: bool, one_space: bool = False) -> Tokenizer:
+def exported_tokenizer(
+    tok: BPE, source: bool, one_space: bool = False, folds: Mapping[str, str] | None = None
+) -> Tokenizer:
     """`tok` as a `tokenizers` file that reads and writes a line as mtx does.
 
     - The characters `mtx.data.clean_line` drops at either end of a line (whitespace, a byte order
@@ -79,7 +81,9 @@ def exported_tokenizer(tok: BPE, source: bool, one_space: bool = False) -> Token
       decoding drops them as mtx does.
     - With `one_space` (a source read under `decode.normalize_spaces`), the characters
       `mtx.data.one_spaced` drops inside a line go first, and each run of whitespace inside it is
-      one space."""
+      one space.
+    - With `folds` (the run's `mtx.punctuation.folds`, under `decode.normalize_punctuation`), each
+      of their characters is read as the one it folds to, before NFC as in mtx."""
     edge, breaks = _patterns()
     spec = json.loads(tok.tokenizer.to_str())
     if source:
@@ -89,6 +93,8 @@ def exported_tokenizer(tok: BPE, source: bool, one_space: bool = False) -> Token
     if one_space:
         inside, spaces = _one_space_patterns()
         steps = [normalizers.Replace(Regex(inside), ""), steps[0], normalizers.Replace(Regex(spaces), " "), steps[1]]
+    for char, read_as in (folds or {}).items():
+        steps.insert(-1, normalizers.Replace(char, read_as))
     out.normalizer = normalizers.Sequence(steps)
     out.decoder = decoders.Sequence([out.decoder, decoders.Replace(Regex(breaks), " ")])
     return out
@@ -301,7 +307,9 @@ def _write_model(run: LoadedRun, spec: Any, staging: Path, out_dir: Path, quanti
         # written by Python: `tokenizers`' save takes a UTF-8 path only (an --out named in other bytes)
         for tok, name in ((run.src_tok, "source_tokenizer.json"), (run.tgt_tok, "target_tokenizer.json")):
             source = name.startswith("source")
-            exported = exported_tokenizer(tok, source, one_space=source and run.cfg.decode.normalize_spaces)
+            dc = run.cfg.decode
+            folds = run.folds if source and dc.normalize_punctuation else None
+            exported = exported_tokenizer(tok, source, source and dc.normalize_spaces, folds)
             (staging / name).write_text(exported.to_str(pretty=True), encoding="utf-8")
         cfg = run.cfg
         info = {

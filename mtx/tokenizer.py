@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from mtx.config import TokenizerConfig
 from mtx.errors import CheckpointError, process_limit
+from mtx.punctuation import folded
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,7 +76,13 @@ class BPE:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
-    def encode_batch(self, texts: Sequence[str], max_pieces: int = 0, one_space: bool = False) -> list[list[int]]:
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        max_pieces: int = 0,
+        one_space: bool = False,
+        folds: Mapping[str, str] | None = None,
+    ) -> list[list[int]]:
         """Text -> ids without specials (callers add BOS/EOS where their role needs them), each
         text read as mtx reads a line (`mtx.data.clean_line`: whitespace and invisible characters
         at its ends dropped), so that a program calling this gets the ids `mtx translate` decodes
@@ -87,10 +94,13 @@ class BPE:
         (stop 65). The first `max_pieces` ids are those of the whole text, and a cut text keeps more.
 
         With `one_space`, each text is read as decoding reads a source line (`mtx.data.one_spaced`:
-        runs of whitespace inside it one space too; `decode.normalize_spaces`)."""
+        runs of whitespace inside it one space too; `decode.normalize_spaces`), and with `folds`
+        each of its characters read as another (`mtx.punctuation.folds`: `decode.normalize_punctuation`)."""
         from mtx.data import clean_line, one_spaced  # (mtx.data imports this module)
 
         texts = [(one_spaced if one_space else clean_line)(text) for text in texts]
+        if folds:
+            texts = folded(texts, folds)
         if max_pieces:
             texts = [self.head(text, max_pieces + 1) for text in texts]
         encoded = serial_if_no_threads(lambda: self.tokenizer.encode_batch(texts, add_special_tokens=False))

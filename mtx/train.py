@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mtx import checkpoint as ckpt_io
 from mtx import device as devices
+from mtx import punctuation
 from mtx.config import Config, TrainConfig, config_text, to_dict
 from mtx.data import (
     Batch,
@@ -444,6 +445,7 @@ class Trainer:
         train_src, train_tgt = texts(corpus[cfg.data.train_split])
         valid_src, valid_tgt = texts(corpus[cfg.data.valid_split])
         self.src_tok, self.tgt_tok = self._run_tokenizers(train_src, train_tgt)
+        self.folds = self._source_folds(train_src)  # the punctuation validation reads as eval does
         self._encode_training_pairs(data_dir, train_src, train_tgt, extra_texts)  # train_ids, extra_ids, data_digest
         self._check_same_data(data_dir, data_digest([self.data_digest], valid_src, valid_tgt))
         # (epoch, its BPE-dropout segmentation of train's pairs, of the extra-source pairs and of the
@@ -527,6 +529,15 @@ class Trainer:
             toks = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
         return toks
 
+    def _source_folds(self, train_src: list[str]) -> dict[str, str]:
+        """`mtx.punctuation.folds` of the training sources, whose counts rank 0 saves for decoding
+        in a new run, and in a resumed one that has none (trained before stop 73)."""
+        counts = punctuation.punctuation_counts(train_src)
+        saved = (self.run_dir / punctuation.COUNTS_FILE).exists()
+        if self.ranks.is_main and (not self.resumed or not saved):
+            punctuation.save_counts(self.run_dir, self.cfg.data.src_lang, counts)
+        return punctuation.folds(counts)
+
     def _encode_training_pairs(
         self,
         data_dir: Path,
@@ -586,10 +597,12 @@ class Trainer:
         if ranks.is_main:
             warn_unless_nfc(self.valid_refs, f"{cfg.data.valid_split}.{cfg.data.tgt_lang}")
             warn_of_invisible_ends(self.valid_refs, str(ref_file))
-        # the sources as `mtx eval` reads them (decode.normalize_spaces); a val line beyond the
-        # positions is cut before tokenising (stop 65: a 32 MB line took 4.2 GB)
+        # the sources as `mtx eval` reads them (decode.normalize_spaces, decode.normalize_punctuation);
+        # a val line beyond the positions is cut before tokenising (stop 65: a 32 MB line took 4.2 GB)
         if cfg.decode.normalize_spaces:
             valid_src = [one_spaced(line) for line in valid_src[:n_val]]
+        if cfg.decode.normalize_punctuation and self.folds:
+            valid_src = punctuation.folded(valid_src[:n_val], self.folds)
         self.valid_ids = ParallelIds.encode(
             valid_src[:n_val], valid_tgt[:n_val], self.src_tok, self.tgt_tok, read=cfg.model.max_positions - 1
         )

@@ -94,9 +94,7 @@ def split_batches(
     if sentences:
         src = src[:sentences]
     # as `mtx eval` reads them (stop 55: a traceback)
-    ids = within_positions(
-        run.src_tok.encode_batch(src, run.model.cfg.max_positions - 1, run.cfg.decode.normalize_spaces), run.model
-    )
+    ids = within_positions(run.encode_sources(src), run.model)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     return len(ids), [[ids[i] for i in order[j : j + batch_sentences]] for j in range(0, len(order), batch_sentences)]
 

@@ -43,7 +43,7 @@ def decode_rows(run_dir: Path, data_dir: Path | None, split: str, sentences: int
     lines, _ = read_parallel(
         *(split_file(data_dir, split, lang) for lang in (run.cfg.data.src_lang, run.cfg.data.tgt_lang))
     )
-    src = run.src_tok.encode_batch(lines, one_space=run.cfg.decode.normalize_spaces)  # as mtx eval reads them
+    src = run.encode_sources(lines)  # as mtx eval reads them
     src = src[:sentences] if sentences else src
     d = run.cfg.decode
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)

@@ -190,7 +190,7 @@ def choose(args: argparse.Namespace) -> None:
     src, refs = read_parallel(split_file(data_dir, split, cfg.data.src_lang), ref_file, as_scored=True)
     warn_unless_nfc(refs, str(ref_file))
     warn_of_invisible_ends(refs, str(ref_file))
-    src_ids = run.src_tok.encode_batch(src, run.model.cfg.max_positions - 1, cfg.decode.normalize_spaces)  # as mtx eval
+    src_ids = run.encode_sources(src)  # as mtx eval reads them
     alpha = cfg.decode.length_penalty
     # how many sentences: training's val BLEU scores train.eval_sentences of them, greedy (stop 65: unsaid)
     print(

@@ -384,6 +384,34 @@ def test_translate_and_eval_read_a_sources_whitespace_as_one_space(
     assert Path(as_written["hypotheses"]).read_text() != Path(normal["hypotheses"]).read_text()
 
 
+def test_translate_and_eval_read_punctuation_the_training_sources_lack_as_they_write_it(
+    tiny_run: Path, small_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Quotes the run's training sources (nearly) never have are read as the form they have (stop
+    73: the tiny run's train.de slice has `"` twice and `“` 20 times, so `"` is read as `“`; stop 67's
+    probe: French apostrophes typed `’` cost a fr->en model 1.75 BLEU on the lines that hold one);
+    `--keep-punctuation` reads them as written, its eval file tagged, and eval's JSON says which."""
+    quoted = [f'Er sagt "{s}"' if s else s for s in SENTENCES]
+    options = ("translate", "--run", str(tiny_run), "--beam", "2", "--nbest", "2")
+    plain = mtx_here(monkeypatch, *options, *(s.replace('"', "\u201c") for s in quoted))
+    assert plain.returncode == 0, plain.stderr.decode()
+    assert mtx_here(monkeypatch, *options, *quoted).stdout == plain.stdout
+    kept = mtx_here(monkeypatch, *options, "--keep-punctuation", *quoted)
+    assert kept.returncode == 0 and kept.stdout != plain.stdout, kept.stderr.decode()
+
+    lines = [f'"{line}"' for line in read_lines(small_data / "val.de")[:40]]
+    (tmp_path / "src.de").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    (tmp_path / "ref.en").write_text("".join(line + "\n" for line in read_lines(small_data / "val.en")[:40]))
+    argv = ["eval", "--run", str(tiny_run), "--src", str(tmp_path / "src.de"), "--ref", str(tmp_path / "ref.en")]
+    runs = [mtx_here(monkeypatch, *argv, "--beam", "1", "--json", *extra) for extra in ([], ["--keep-punctuation"])]
+    assert all(r.returncode == 0 for r in runs), runs[1].stderr.decode()
+    normal, as_written = (json.loads(r.stdout) for r in runs)
+    assert normal["normalize_punctuation"] and normal["punctuation_read_as"]['"'] == "\u201c"
+    assert not as_written["normalize_punctuation"] and as_written["punctuation_read_as"] == {}
+    assert Path(as_written["hypotheses"]).name.split(".")[-3:] == ["beam1", "punctuation", "en"]
+    assert Path(as_written["hypotheses"]).read_text() != Path(normal["hypotheses"]).read_text()
+
+
 def test_translate_streams_standard_input(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Standard input in batches of --buffer-lines, the same outputs as all lines at once; a batch
     also ends where the input pauses, so a writer who waits for each line's translation gets it,
@@ -954,6 +982,8 @@ def test_eval_names_hypotheses_by_checkpoint_length_penalty_stop_and_precision(t
     assert name() == "val.beam1.en"
     # sources read as written, against the run's decode.normalize_spaces (stop 72)
     assert name("--keep-spaces") == "val.beam1.spaces.en"
+    # and punctuation as written, against decode.normalize_punctuation (stop 73)
+    assert name("--keep-punctuation", "--keep-spaces") == "val.beam1.spaces.punctuation.en"
     assert name("--beam", "5", "--length-penalty", "0.6") == "val.beam5.lp0.6.en"
     assert name("--beam", "5", "--stop", "finished", "--precision", "bf16") == "val.beam5.finished.bf16.en"
     assert name("--beam", "1", "--stop", "finished") == "val.beam1.en"  # greedy has no stop to name
@@ -1593,17 +1623,18 @@ def test_decoding_options_take_their_bounds_and_refuse_the_next_value(tmp_path: 
     run.mkdir()
     (run / "config.yaml").write_text(config_text(Config()))
 
-    def settings(*argv: str) -> tuple[int, float, int, int, str, bool]:
+    def settings(*argv: str) -> tuple[int, float, int, int, str, bool, bool]:
         args = build_parser().parse_args(["translate", "--run", str(run), *argv, "x"])
         cfg, decoding = _settings(args)
         assert decoding == _decode_settings(args, cfg.decode)
         return decoding
 
     edges = ["--beam", "1000", "--length-penalty", "10", "--batch-tokens", "1", "--workers", "0"]
-    assert settings(*edges, "--threads", str(usable_cpus())) == (1000, 10.0, 1, 0, "exact", True)
+    assert settings(*edges, "--threads", str(usable_cpus())) == (1000, 10.0, 1, 0, "exact", True, True)
     assert settings("--length-penalty", "0", "--beam", "1", "--keep-spaces") == (
-        1, 0.0, DecodeConfig().batch_tokens, 0, "exact", False
+        1, 0.0, DecodeConfig().batch_tokens, 0, "exact", False, True
     )  # fmt: skip
+    assert settings("--keep-punctuation")[-2:] == (True, False)
     # -0 is taken as 0 (stop 70's probe: eval's header and JSON said "-0" of a file named lp0)
     assert str(settings("--length-penalty", "-0", "--beam", "2")[1]) == "0.0"
     for argv, message in (

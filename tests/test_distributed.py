@@ -474,6 +474,7 @@ def test_torchrun_trains_resumes_and_translates(tmp_path: Path, mini_data: Path)
     assert names == {
         "config.yaml",
         "tokenizer.json",
+        "source_punctuation.json",
         "metrics.jsonl",
         "train.log",
         "checkpoints",

@@ -14,6 +14,7 @@ from mtx.config import DataConfig, TokenizerConfig
 from mtx.data import ParallelIds, clean_line, load_corpus, one_spaced, read_lines, stripped, texts
 from mtx.errors import CheckpointError
 from mtx.export import exported_tokenizer
+from mtx.punctuation import GROUPS, folded, load_folds
 from mtx.tokenizer import BOS, BPE, EOS, PAD, UNK, train_bpe, train_or_load
 
 
@@ -197,12 +198,18 @@ def test_the_exported_tokenizers_read_and_write_a_line_as_mtx_does(tiny_run: Pat
     assert target.encode("Ein </s> Mann", add_special_tokens=False).ids[1] == EOS  # the target's specials stay special
 
 
-def test_the_exported_source_tokenizer_reads_spaces_as_decoding_does(tiny_run: Path, small_data: Path) -> None:
+def test_the_exported_source_tokenizer_reads_spaces_and_punctuation_as_decoding_does(
+    tiny_run: Path, small_data: Path
+) -> None:
     """Under `decode.normalize_spaces` (stop 72) the exported source file reads a line as
     `encode_batch(one_space=True)` does: runs of whitespace inside it one space, soft hyphens and
-    zero-width spaces gone, its ends as before."""
+    zero-width spaces gone, its ends as before; and under `decode.normalize_punctuation` (stop 73)
+    the punctuation the run's training sources lack as `encode_batch(folds=...)` reads it."""
     tok = BPE.load(tiny_run / "tokenizer.json")
-    source = Tokenizer.from_str(exported_tokenizer(tok, source=True, one_space=True).to_str())
+    read_as = load_folds(tiny_run, "de")
+    assert read_as['"'] == "\u201c"  # (the slice's train.de: `"` twice, `“` 20 times)
+    source = Tokenizer.from_str(exported_tokenizer(tok, True, True, read_as).to_str())
+    marks = "".join(GROUPS)
     spaces = ["  ", "\t", "\u00a0", " \u3000 ", "\u2009", "\x0b\x0c", " \u200b "]
     inside = ["\u00ad", "\u200b", "\u2060", "\ufeff", "\u200c"]
     rng = random.Random(0)
@@ -212,9 +219,10 @@ def test_the_exported_source_tokenizer_reads_spaces_as_decoding_does(tiny_run: P
         text = first + "".join((rng.choice(spaces) if rng.random() < 0.3 else " ") + word for word in words)
         cut = rng.randrange(len(text) + 1)
         text = rng.choice(spaces) + text[:cut] + rng.choice(inside) + text[cut:] + rng.choice(["", " \u200e"])
-        want = tok.encode_batch([text], one_space=True)[0]
+        text = "".join(rng.choice(marks) if char == " " and rng.random() < 0.2 else char for char in text)
+        want = tok.encode_batch([text], one_space=True, folds=read_as)[0]
         assert source.encode(text, add_special_tokens=False).ids == want, repr(text)
-        assert want == tok.encode_batch([one_spaced(text)])[0]
+        assert want == tok.encode_batch(folded([one_spaced(text)], read_as))[0]
         changed += want != tok.encode_batch([text])[0]
     assert changed > 150  # read as written, nearly every line's pieces differ
 

@@ -37,6 +37,7 @@ from mtx.loss import (
     training_loss,
 )
 from mtx.model import Dropout, FeedForward, Seq2Seq, dropout
+from mtx.punctuation import folds, load_folds, punctuation_counts
 from mtx.tokenizer import BOS, EOS, PAD, UNK
 from mtx.train import MovingAverage, drop_words, dropout_rate, learning_rate, make_optimizer, set_dropout
 
@@ -955,15 +956,21 @@ def test_validation_scores_references_as_mtx_eval_reads_them(
     clean = (small_data / "val.en").read_text(encoding="utf-8").splitlines()[:100]
     (data / "val.en").write_text("".join(f"\u200e{line}\n" for line in clean), encoding="utf-8")
     sources = (small_data / "val.de").read_text().splitlines()[:100]
-    # the sources read as `mtx eval` reads them (decode.normalize_spaces: stop 72)
-    (data / "val.de").write_text("".join(line.replace(" ", "\u00a0 ", 1) + "\n" for line in sources))
+    # the sources read as `mtx eval` reads them (decode.normalize_spaces: stop 72), quotes too
+    # (decode.normalize_punctuation: stop 73; the slice's train.de has `"` twice, `“` 20 times)
+    quoted = [f'"{line}"' if i % 2 else line for i, line in enumerate(sources)]
+    (data / "val.de").write_text("".join(line.replace(" ", "\u00a0 ", 1) + "\n" for line in quoted))
     cfg = load_config(TINY_CONFIG, [f"data.dir={data}", f"train.init_from={tiny_run}", "train.eval_sentences=0"])
     run_dir = tmp_path / "run"
     prepare_run_dir(run_dir, cfg, resume=False)
     trainer = Trainer(cfg, run_dir, resume=False)
     assert f"{data / 'val.en'}: 100 of 100 reference lines begin or end with invisible characters" in caplog.text
     assert trainer.valid_ids.tgt_ids == trainer.tgt_tok.encode_batch(clean)  # the val loss's targets
-    assert trainer.valid_ids.src_ids == trainer.src_tok.encode_batch(sources, one_space=True)  # (val.de's 120\xa0cm)
+    read = [line.replace('"', "\u201c") for line in quoted]
+    assert trainer.valid_ids.src_ids == trainer.src_tok.encode_batch(read, one_space=True)  # (val.de's 120\xa0cm)
+    train_de = (data / "train.de").read_text(encoding="utf-8").splitlines()
+    assert load_folds(run_dir, "de") == folds(punctuation_counts(train_de)) == trainer.folds
+    assert load_folds(run_dir, "de")['"'] == "\u201c" and not load_folds(run_dir, "en")  # (counts of de)
     outputs = []
 
     def recorded(*args: object, **options: object) -> list[str]:
