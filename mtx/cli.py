@@ -1111,6 +1111,9 @@ def _print_scores(result: dict[str, Any], scores: Scores, low: Scores | None, pa
     beam, stop = result["beam"], result["stop"]
     search_note = f", length penalty {result['length_penalty']:g}" if beam > 1 else ""
     search_note += ", stop finished" if beam > 1 and stop == "finished" else ""
+    # sources read as written, where the run reads them otherwise (the file's `spaces`, `punctuation` tags)
+    search_note += "" if result["normalize_spaces"] else ", spaces as written"
+    search_note += "" if result["normalize_punctuation"] else ", punctuation as written"
     print(
         f"{result['split']} {result['direction']} beam {beam}{search_note}, {result['precision']} "
         f"({result['sentences']} sentences, {', '.join(result['checkpoints'])})"

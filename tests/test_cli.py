@@ -410,6 +410,8 @@ def test_translate_and_eval_read_punctuation_the_training_sources_lack_as_they_w
     assert not as_written["normalize_punctuation"] and as_written["punctuation_read_as"] == {}
     assert Path(as_written["hypotheses"]).name.split(".")[-3:] == ["beam1", "punctuation", "en"]
     assert Path(as_written["hypotheses"]).read_text() != Path(normal["hypotheses"]).read_text()
+    lines = mtx_here(monkeypatch, *argv, "--keep-punctuation", "--keep-spaces").stdout.decode().splitlines()
+    assert lines[0].startswith("src.de de-en beam 4, length penalty 1, spaces as written, punctuation as written, fp32")
 
 
 def test_translate_streams_standard_input(tiny_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
