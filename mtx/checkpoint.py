@@ -33,7 +33,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from mtx.config import CONFIG_FILE, Config, ModelConfig, load_run_config
 from mtx.errors import CheckpointError, MtxError, command_line, not_found, own_command, process_limit, shown
-from mtx.punctuation import COUNTS_FILE, load_folds
+from mtx.punctuation import COUNTS_FILE, counted_folds, load_folds
 from mtx.tokenizer import BPE, load_run_tokenizers
 
 if TYPE_CHECKING:  # torch where checkpoints are read or written: `plot` uses the file helpers (stop 69)
@@ -656,6 +656,8 @@ def load_run(run_dir: Path, checkpoints: Sequence[Path] = (), device: torch.devi
             member.to(device)
         members.append(member)
     folds = load_folds(run_dir, cfg.data.src_lang)
+    if folds is None:  # a run trained before stop 73: its train split's counts, where its data is still there
+        folds = counted_folds(Path(cfg.data.dir), cfg.data.train_split, cfg.data.src_lang)
     if len(members) == 1:
         return LoadedRun(cfg, members[0], src_tok, tgt_tok, list(checkpoints), folds)
     try:

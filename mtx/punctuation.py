@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from mtx.errors import CheckpointError
+from mtx.errors import CheckpointError, MtxError
 
 COUNTS_FILE = "source_punctuation.json"
 
@@ -61,6 +61,17 @@ def folded(texts: Sequence[str], read_as: Mapping[str, str]) -> list[str]:
     return [text.translate(table) for text in texts]
 
 
+def counted_folds(data_dir: Path, split: str, lang: str) -> dict[str, str]:
+    """`folds` of the `split` sources in `data_dir`, for a run trained before its counts were saved
+    (stop 73); none where that file cannot be read (a run copied without its data)."""
+    from mtx.data import read_lines, split_file  # (mtx.data imports the tokenizer, which imports this module)
+
+    try:
+        return folds(punctuation_counts(read_lines(split_file(data_dir, split, lang))))
+    except (MtxError, OSError):
+        return {}
+
+
 def save_counts(run_dir: Path, lang: str, counts: Mapping[str, int]) -> None:
     """Write the training sources' counts for decoding (`load_folds`), whole or not at all."""
     from mtx.checkpoint import atomic_write_text  # (mtx.checkpoint imports this module)
@@ -68,14 +79,14 @@ def save_counts(run_dir: Path, lang: str, counts: Mapping[str, int]) -> None:
     atomic_write_text(run_dir / COUNTS_FILE, json.dumps({"lang": lang, "counts": dict(counts)}, indent=1) + "\n")
 
 
-def load_folds(run_dir: Path, lang: str) -> dict[str, str]:
-    """The run's `folds` for sources in `lang`; none for a run trained before them (stop 73), which
-    has no counts file, or for counts of another language. A damaged file is a one-line error."""
+def load_folds(run_dir: Path, lang: str) -> dict[str, str] | None:
+    """The run's `folds` for sources in `lang` (none for counts of another language); None for a run
+    trained before stop 73, which has no counts file. A damaged file is a one-line error."""
     path = run_dir / COUNTS_FILE
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        return {}
+        return None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read it ({e}); delete it to read punctuation as written") from None
     counts = saved.get("counts") if isinstance(saved, dict) else None

@@ -2,10 +2,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+from mtx.checkpoint import load_run
 from mtx.cli import main
 from mtx.errors import CheckpointError
 from mtx.punctuation import COUNTS_FILE, GROUPS, RARE, folded, folds, load_folds, punctuation_counts, save_counts
@@ -50,7 +52,7 @@ def test_folds_read_only_rare_characters_as_their_groups_commonest() -> None:
 def test_a_runs_counts_round_trip_and_a_damaged_file_is_one_line(tmp_path: Path) -> None:
     """The counts are the run's source language's; a run trained before them reads punctuation as
     written, and a file that is not mtx's is a one-line error that says what to do."""
-    assert load_folds(tmp_path, "fr") == {}  # no file: a run of before stop 73
+    assert load_folds(tmp_path, "fr") is None  # no file: a run of before stop 73
     counts = {"'": 500, "\u2019": 2}
     save_counts(tmp_path, "fr", counts)
     assert load_folds(tmp_path, "fr") == folds(counts) and load_folds(tmp_path, "en") == {}
@@ -83,7 +85,8 @@ def test_training_writes_its_sources_counts_and_a_resume_writes_them_where_missi
     mini_data: Path, tmp_path: Path
 ) -> None:
     """A new run's counts are its train split's sources'; a run trained before stop 73 (no counts
-    file) gets them at its resume, so that its decoding then reads punctuation as the data writes it."""
+    file) decodes with its train split's, counted where its data directory still has them (else
+    reads punctuation as written), and gets the file at its resume."""
     run = tmp_path / "run"
     common = ("--set", "train.eval_every=2", "--set", "train.eval_sentences=5")
     assert main(tiny_args(mini_data, run, *common, "--set", "train.max_steps=2")) == 0
@@ -91,5 +94,14 @@ def test_training_writes_its_sources_counts_and_a_resume_writes_them_where_missi
     saved = json.loads((run / COUNTS_FILE).read_text(encoding="utf-8"))
     assert saved == {"lang": "de", "counts": punctuation_counts(train_de)} and saved["counts"]
     (run / COUNTS_FILE).unlink()
+    assert load_run(run).folds == folds(saved["counts"]) and load_run(run).folds["\u2010"] == "-"
+    config = (run / "config.yaml").read_text(encoding="utf-8")
+    assert str(mini_data) in config
+    gone = tmp_path / "data"
+    shutil.copytree(mini_data, gone)
+    (gone / "train.de").unlink()
+    (run / "config.yaml").write_text(config.replace(str(mini_data), str(gone)), encoding="utf-8")
+    assert load_run(run).folds == {}  # (its data gone: as written)
+    (run / "config.yaml").write_text(config, encoding="utf-8")
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=4"]) == 0
     assert json.loads((run / COUNTS_FILE).read_text(encoding="utf-8")) == saved
