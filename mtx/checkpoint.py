@@ -529,7 +529,7 @@ class LoadedRun:
     src_tok: BPE
     tgt_tok: BPE
     checkpoints: list[Path]
-    # {character: the one a source's is read as} (`mtx.punctuation.folds`; {} for a run trained before stop 73)
+    # {character: the one a source's is read as} (`mtx.punctuation.folds`, of the run's training sources)
     folds: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def encode_sources(

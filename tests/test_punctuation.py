@@ -50,8 +50,8 @@ def test_folds_read_only_rare_characters_as_their_groups_commonest() -> None:
 
 
 def test_a_runs_counts_round_trip_and_a_damaged_file_is_one_line(tmp_path: Path) -> None:
-    """The counts are the run's source language's; a run trained before them reads punctuation as
-    written, and a file that is not mtx's is a one-line error that says what to do."""
+    """The counts are the run's source language's; a run trained before them has none (None: its
+    data is counted instead), and a file that is not mtx's is a one-line error that says what to do."""
     assert load_folds(tmp_path, "fr") is None  # no file: a run of before stop 73
     counts = {"'": 500, "\u2019": 2}
     save_counts(tmp_path, "fr", counts)
