@@ -211,7 +211,8 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
         "--keep-punctuation",
         action="store_true",
         help="read the source's quotes, apostrophes and dashes as written (default: decode.normalize_punctuation: "
-        "one the run's training sources (nearly) never have read as the form they have, e.g. ’ as ')",
+        "one the run's training sources (nearly) never have read as the form they have, e.g. a typographic "
+        "apostrophe as ')",
     )
     p.add_argument(
         "--stop",

@@ -1671,3 +1671,15 @@ def test_a_lone_dash_reads_standard_input(tiny_run: Path, monkeypatch: pytest.Mo
     plain = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", stdin=lines)
     assert dash.returncode == 0 and len(dash.stdout.decode().splitlines()) == 2, dash.stderr.decode()
     assert dash.stdout == plain.stdout
+
+
+def test_every_commands_help_is_ascii() -> None:
+    """Help is written before mtx makes standard output UTF-8, and a character outside ASCII in
+    it was a UnicodeEncodeError's traceback for `mtx translate --help` where standard output takes
+    ASCII only (PYTHONIOENCODING=ascii; stop 73: the `’` of --keep-punctuation's help)."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"train", "translate", "eval", "export"} <= set(commands)
+    for name, command in commands.items():
+        assert command.format_help().isascii(), name
+    assert parser.format_help().isascii()
