@@ -325,6 +325,8 @@ def _write_model(run: LoadedRun, spec: Any, staging: Path, out_dir: Path, quanti
                 "max_len_b": cfg.decode.max_len_b,
             },
             "restricted_output": run.model.output_ids is not None,
+            # what source_tokenizer.json reads as the training sources write it (decode.normalize_punctuation)
+            "source_punctuation_read_as": run.folds if cfg.decode.normalize_punctuation else {},
         }
         (staging / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
         _sync_files(staging)  # (stop 67: a power cut after the rename could leave empty or torn files)

@@ -344,7 +344,7 @@ def test_the_info_file_holds_the_runs_decoding_settings(
 ) -> None:
     """mtx_export.json tells a CTranslate2 user the run's beam, length penalty and length cap, and
     whether its softmax is restricted (stop 70's mutants: another key's value, or the flag inverted,
-    passed every test)."""
+    passed every test), and the punctuation its source tokenizer reads as the data writes it."""
     for run_dir, restricted in ((tiny_run, False), (tiny_restricted_run, True)):
         run = load_run(run_dir)
         info = json.loads((export_ctranslate2(run, tmp_path / run_dir.name) / "mtx_export.json").read_text())
@@ -357,3 +357,4 @@ def test_the_info_file_holds_the_runs_decoding_settings(
             "max_len_b": dc.max_len_b,
         }
         assert info["restricted_output"] is restricted
+        assert info["source_punctuation_read_as"] == run.folds and run.folds['"'] == "\u201c"  # (stop 73)
