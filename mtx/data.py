@@ -14,7 +14,7 @@ import select
 import socket
 import unicodedata
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -24,6 +24,7 @@ import numpy as np
 from mtx.checkpoint import fsync_dir
 from mtx.config import DataConfig, user_path
 from mtx.errors import DataError, not_found
+from mtx.punctuation import folded
 from mtx.tokenizer import BOS, BPE, EOS, PAD
 
 if TYPE_CHECKING:  # torch where tensors are made: `compare` and `plot` read text with this module (stop 69)
@@ -202,6 +203,14 @@ def one_spaced(text: str) -> str:
     4.4 BLEU, and `Ein  Mann` with two spaces was translated with a phrase twice). Training reads
     its data as written (`clean_line`), so that earlier runs are trained again as they were."""
     return _SPACES.sub(" ", clean_line(text.translate(DROPPED_INSIDE)))
+
+
+def read_sources(texts: Sequence[str], one_space: bool, folds: Mapping[str, str] | None = None) -> list[str]:
+    """Source lines as decoding reads them: `one_spaced` (`decode.normalize_spaces`), else
+    `clean_line`, and with `folds` their punctuation as the training data writes it
+    (`mtx.punctuation.folded`, `decode.normalize_punctuation`)."""
+    texts = [(one_spaced if one_space else clean_line)(text) for text in texts]
+    return folded(texts, folds) if folds else texts
 
 
 def scored_text(refs: Sequence[str]) -> list[str]:

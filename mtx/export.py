@@ -89,13 +89,13 @@ def exported_tokenizer(
     if source:
         spec["added_tokens"] = []
     out = Tokenizer.from_str(json.dumps(spec))
-    steps = [normalizers.Replace(Regex(edge), ""), out.normalizer]
+    inside, spaces = _one_space_patterns()
+    steps = [normalizers.Replace(Regex(inside), "")] if one_space else []
+    steps.append(normalizers.Replace(Regex(edge), ""))
     if one_space:
-        inside, spaces = _one_space_patterns()
-        steps = [normalizers.Replace(Regex(inside), ""), steps[0], normalizers.Replace(Regex(spaces), " "), steps[1]]
-    for char, read_as in (folds or {}).items():
-        steps.insert(-1, normalizers.Replace(char, read_as))
-    out.normalizer = normalizers.Sequence(steps)
+        steps.append(normalizers.Replace(Regex(spaces), " "))
+    steps += [normalizers.Replace(char, read_as) for char, read_as in (folds or {}).items()]
+    out.normalizer = normalizers.Sequence([*steps, out.normalizer])  # (NFC last, as in mtx)
     out.decoder = decoders.Sequence([out.decoder, decoders.Replace(Regex(breaks), " ")])
     return out
 

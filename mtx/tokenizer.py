@@ -22,7 +22,6 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from mtx.config import TokenizerConfig
 from mtx.errors import CheckpointError, process_limit
-from mtx.punctuation import folded
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,11 +95,9 @@ class BPE:
         With `one_space`, each text is read as decoding reads a source line (`mtx.data.one_spaced`:
         runs of whitespace inside it one space too; `decode.normalize_spaces`), and with `folds`
         each of its characters read as another (`mtx.punctuation.folds`: `decode.normalize_punctuation`)."""
-        from mtx.data import clean_line, one_spaced  # (mtx.data imports this module)
+        from mtx.data import read_sources  # (mtx.data imports this module)
 
-        texts = [(one_spaced if one_space else clean_line)(text) for text in texts]
-        if folds:
-            texts = folded(texts, folds)
+        texts = read_sources(texts, one_space, folds)
         if max_pieces:
             texts = [self.head(text, max_pieces + 1) for text in texts]
         encoded = serial_if_no_threads(lambda: self.tokenizer.encode_batch(texts, add_special_tokens=False))

@@ -51,10 +51,10 @@ from mtx.data import (
     is_test_split,
     load_corpus,
     median_batch,
-    one_spaced,
     padding_fraction,
     plan_batches,
     read_lines,
+    read_sources,
     resolve_data_dir,
     split_file,
     texts,
@@ -599,10 +599,8 @@ class Trainer:
             warn_of_invisible_ends(self.valid_refs, str(ref_file))
         # the sources as `mtx eval` reads them (decode.normalize_spaces, decode.normalize_punctuation);
         # a val line beyond the positions is cut before tokenising (stop 65: a 32 MB line took 4.2 GB)
-        if cfg.decode.normalize_spaces:
-            valid_src = [one_spaced(line) for line in valid_src[:n_val]]
-        if cfg.decode.normalize_punctuation and self.folds:
-            valid_src = punctuation.folded(valid_src[:n_val], self.folds)
+        read_as = self.folds if cfg.decode.normalize_punctuation else None
+        valid_src = read_sources(valid_src[:n_val], cfg.decode.normalize_spaces, read_as)
         self.valid_ids = ParallelIds.encode(
             valid_src[:n_val], valid_tgt[:n_val], self.src_tok, self.tgt_tok, read=cfg.model.max_positions - 1
         )
