@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mtx import checkpoint as ckpt_io
 from mtx import device as devices
 from mtx import punctuation
+from mtx.collective import Collective
 from mtx.config import Config, TrainConfig, config_text, to_dict
 from mtx.data import (
     Batch,
@@ -435,6 +436,7 @@ class Trainer:
         set_threads(_thread_count(tc.threads) if tc.threads else 0)
         seed_everything(tc.seed)
         self.device = rank_device(tc.device, ranks)
+        self.comm = Collective(ranks, self.device)
         self._check_same_config()
         self.amp_resumed = False  # train.amp auto's choice on CPU taken from last.pt (`_keep_cpu_precision`)
         self.bf16_step: float | None = None  # train.amp auto on CPU: a training pass's bf16 speedup, where timed
@@ -502,15 +504,13 @@ class Trainer:
                 ) from None
         if tc.amp == "auto" and self.device.type == "cpu" and ranks.world_size > 1:
             # each rank timed bf16 on its own (`cpu_bf16_speedup`): rank 0's choice holds for all
-            amp = torch.bfloat16 if self._from_main(amp is not None) else None
+            amp = torch.bfloat16 if self.comm.flag_from_main(amp is not None) else None
         elif tc.amp == "auto" and ranks.world_size > 1:
             # each GPU's own: bf16 where it computes it natively, else fp16 with the loss scaler; the
             # job takes the one every rank has (stop 68's probe, simulated: bf16 and fp16 ranks averaged
             # scaled and unscaled gradients, and the replicas drifted apart from the first update)
             kinds = [None, torch.float16, torch.bfloat16]
-            t = torch.tensor([kinds.index(amp)], device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            amp = kinds[int(t.item())]
+            amp = kinds[self.comm.smallest(kinds.index(amp))]
         return amp
 
     def _median_batch_loss(self) -> Callable[[], torch.Tensor]:
@@ -524,7 +524,7 @@ class Trainer:
         cfg, run_dir, ranks = self.cfg, self.run_dir, self.ranks
         if ranks.is_main and not self.resumed:
             toks = train_or_load(run_dir, cfg.tokenizer, cfg.data.src_lang, cfg.data.tgt_lang, train_src, train_tgt)
-        self._barrier()  # rank 0 has trained and saved a new run's tokenizer before the others load it
+        self.comm.barrier()  # rank 0 has trained and saved a new run's tokenizer before the others load it
         if self.resumed or not ranks.is_main:  # a run that has weights never retrains its tokenizer
             toks = load_run_tokenizers(run_dir, cfg.tokenizer.joint, cfg.data.src_lang, cfg.data.tgt_lang)
         return toks
@@ -652,28 +652,7 @@ class Trainer:
             )
         return model
 
-    # -- collectives (no-ops in a single process) ---------------------------------------------
-    def _barrier(self) -> None:
-        barrier(self.ranks, self.device)
-
-    def _sum_over_ranks(self, values: list[float]) -> list[float]:
-        """Element-wise sum of a few numbers over the ranks (float64 keeps token counts exact)."""
-        if self.ranks.world_size == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def _in_order(self, mine: list[Any], n: int) -> list[Any]:
-        """The `n` items that the ranks share out (rank r takes items r, r + world_size, ...; `mine`
-        its own), gathered back in order on every rank."""
-        world = self.ranks.world_size
-        if world == 1:
-            return mine
-        shares: list[Any] = [None] * world
-        dist.all_gather_object(shares, mine)
-        return [shares[i % world][i // world] for i in range(n)]
-
+    # -- what the ranks agree on (`self.comm`: no-ops in a single process) --------------------
     @contextlib.contextmanager
     def _peer_lost_said(self) -> Iterator[None]:
         """A collective that failed because another rank of the job ended, said in one line (gloo's
@@ -690,10 +669,10 @@ class Trainer:
         55: a `--set train.max_steps` given on one machine only hung the job at that rank's end)."""
         if self.ranks.world_size == 1:
             return
-        main, mine = flat_config(self._object_from_main(to_dict(self.cfg))), flat_config(to_dict(self.cfg))
+        main, mine = flat_config(self.comm.from_main(to_dict(self.cfg))), flat_config(to_dict(self.cfg))
         differ = [key for key, value in main.items() if key not in PER_MACHINE and mine.get(key) != value]
         same = "give every process the same config and --set"
-        self._all_stop_where(
+        self.comm.stop_all_where(
             ConfigError(f"rank {self.ranks.rank}'s config differs from rank 0's at {', '.join(differ)}; {same}")
             if differ
             else None,
@@ -707,59 +686,12 @@ class Trainer:
         if self.ranks.world_size == 1:
             return
         same = "give every machine the same data"
-        self._all_stop_where(
+        self.comm.stop_all_where(
             DataError(f"rank {self.ranks.rank}'s data ({data_dir}) differs from rank 0's; {same}")
-            if self._object_from_main(digest) != digest
+            if self.comm.from_main(digest) != digest
             else None,
             DataError(f"another rank's data differs from rank 0's (its error names it); {same}"),
         )
-
-    def _object_from_main(self, value: Any) -> Any:
-        """Rank 0's `value` (any picklable object) on every rank."""
-        if self.ranks.world_size == 1:
-            return value
-        box = [value if self.ranks.is_main else None]
-        dist.broadcast_object_list(box, src=0, device=self.device)
-        return box[0]
-
-    def _all_stop_where(self, mine: MtxError | None, other: MtxError) -> None:
-        """Every rank stops where one has an error (`mine`, on that rank): `other` on the rest."""
-        flag = torch.tensor([float(mine is not None)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if mine is not None:
-            raise mine
-        if flag.item():
-            raise other
-
-    def _from_main(self, flag: bool) -> bool:
-        """Rank 0's `flag` on every rank (the others wait here for rank 0)."""
-        if self.ranks.world_size == 1:
-            return flag
-        t = torch.tensor([float(flag)], device=self.device)
-        dist.broadcast(t, src=0)
-        return bool(t.item())
-
-    def _ids_from_main(self, make: Callable[[], ParallelIds]) -> ParallelIds:
-        """`make()` run on rank 0 only, its result sent to the other ranks."""
-        ids = self._object_from_main(make() if self.ranks.is_main else None)
-        assert ids is not None
-        return ids
-
-    def _stop_signal(self, stop: StopRequest) -> int | None:
-        """The stop signal any rank received, agreed by all so that they stop at the same step."""
-        if self.ranks.world_size == 1:
-            return stop.signal
-        t = torch.tensor([stop.signal or 0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item()) or None
-
-    def _rng_states(self) -> list[dict[str, Any]] | None:
-        """Every rank's RNG states (rank r's at index r) under DDP, else None."""
-        if self.ranks.world_size == 1:
-            return None
-        states: list[Any] = [None] * self.ranks.world_size
-        dist.all_gather_object(states, _rng_state())
-        return states
 
     # -- checkpoints -----------------------------------------------------------------------
     def _payload(self, full: bool) -> dict[str, Any]:
@@ -799,14 +731,14 @@ class Trainer:
 
         Under DDP every rank calls it: rank 0 writes, with each rank's RNG states, while the
         others wait, so that none exits (and torchrun stops the job) while last.pt is written."""
-        rng_per_rank = self._rng_states()
+        rng_per_rank = self.comm.gathered(_rng_state())
         if self.ranks.is_main:
             self._follow_run_dir()
             payload = self._payload(full=True)
             if rng_per_rank is not None:
                 payload["rng_per_rank"] = rng_per_rank
             ckpt_io.atomic_save(payload, ckpt_io.checkpoint_dir(self.run_dir) / "last.pt")
-        self._barrier()
+        self.comm.barrier()
         self.saved_step = self.state.step
 
     def _init_weights(self, path: Path) -> None:
@@ -905,7 +837,7 @@ class Trainer:
         if "validated_step" not in ckpt["state"]:  # saved before stop 54 (a collective: outside the try above)
             # rank 0 reads metrics.jsonl for every rank (stop 68's probe: under torchrun its step was taken)
             validated = self._validated_before_54() if self.ranks.is_main else None
-            self.state.validated_step = self._object_from_main(validated)
+            self.state.validated_step = self.comm.from_main(validated)
         check_below_max_steps(self.state.step, self.cfg, path)
         if not same_ranks and self.ranks.rank:
             torch.manual_seed(rank_seed(self.cfg.train.seed, self.ranks.rank, self.state.step))
@@ -1234,7 +1166,7 @@ class Trainer:
         if not fraction or epochs < st.epoch:
             return epochs
         used = budget_used(st.step, self.cfg.train, st.elapsed)
-        if self._from_main(used < fraction):  # ranks' clocks differ
+        if self.comm.flag_from_main(used < fraction):  # ranks' clocks differ
             return st.epoch + 1
         if self.ranks.is_main:  # the share used, not the fraction: a phase holds whole epochs (stop 65)
             log.info(
@@ -1257,7 +1189,7 @@ class Trainer:
         st, tc = self.state, self.cfg.train
         if not tc.diversify or st.diversified_epoch >= 0:
             return
-        if not self._from_main(budget_used(st.step, tc, st.elapsed) >= tc.diversify):
+        if not self.comm.flag_from_main(budget_used(st.step, tc, st.elapsed) >= tc.diversify):
             return
         self.synthetic, st.diversified_epoch = self._translate_train(), st.epoch
 
@@ -1287,7 +1219,7 @@ class Trainer:
             hyps = translate_ids(
                 teacher, share, 1, 0.0, dc.max_len_a, dc.max_len_b, dc.batch_tokens, workers=dc.workers
             )
-            return self._in_order([h[0].tokens for h in hyps], len(sentences))
+            return self.comm.in_order([h[0].tokens for h in hyps], len(sentences))
 
         def kept(outputs: list[list[int]]) -> list[int]:
             return [i for i, out in enumerate(outputs) if 0 < len(out) <= limit]
@@ -1345,7 +1277,7 @@ class Trainer:
                         self.dropout_toks = (src_tok, tgt_tok)
                     return ids.resegmented(*texts(), *self.dropout_toks, self.cfg.data.max_len)
 
-                return self._ids_from_main(make)
+                return self.comm.made_by_main(make)
 
             def translated() -> tuple[list[str], list[str]]:
                 assert synthetic is not None
@@ -1384,7 +1316,7 @@ class Trainer:
         # rank 0's training time too, for every rank: the linear schedule's rate reads it, and the
         # ranks' clocks differ (stop 66: each rank set its own rate, and the replicas drifted apart)
         own_elapsed = self.state.elapsed if self.ranks.is_main else 0.0
-        n_tokens, elapsed = self._sum_over_ranks([sum(b.n_tgt_tokens for b in group), own_elapsed])
+        n_tokens, elapsed = self.comm.sum([sum(b.n_tgt_tokens for b in group), own_elapsed])
         self.state.elapsed = elapsed
         tokens_per_rank = n_tokens / world
         total = 0.0
@@ -1399,7 +1331,7 @@ class Trainer:
                     loss = self.loss_module(batch)
                 self.scaler.scale(loss / tokens_per_rank).backward()
             total += loss.item()
-        total = self._sum_over_ranks([total])[0]
+        total = self.comm.sum([total])[0]
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_norm or float("inf"))
         finite = math.isfinite(total) and bool(torch.isfinite(grad_norm))
@@ -1458,8 +1390,8 @@ class Trainer:
             dc.batch_tokens,
             workers=dc.workers,
         )
-        loss_sum, n_tokens = self._sum_over_ranks([loss_sum, n_tokens])
-        text = self._in_order(text, len(src_ids))
+        loss_sum, n_tokens = self.comm.sum([loss_sum, n_tokens])
+        text = self.comm.in_order(text, len(src_ids))
         if not self.ranks.is_main:
             return None
         scores = corpus_scores(text, self.valid_refs)
@@ -1699,7 +1631,7 @@ class Trainer:
     def _stop_if_signalled(self, stop: StopRequest, window_start: float) -> None:
         """Where any rank received a stop signal: last.pt saved, and Interrupted raised on every rank."""
         st = self.state
-        signum = self._stop_signal(stop)
+        signum = self.comm.largest(stop.signal or 0) or None  # any rank's, agreed by all
         if signum is None:
             return
         st.window_seconds += self.clock.now() - window_start
@@ -1905,7 +1837,7 @@ class Trainer:
         budget = self.cfg.train.max_minutes
         if not budget or (self.ranks.world_size > 1 and self.state.step % self.cfg.train.log_every):
             return False
-        return self._from_main(self.state.elapsed >= 60 * budget)
+        return self.comm.flag_from_main(self.state.elapsed >= 60 * budget)
 
     def _resume_command(self) -> str:
         """The command that continues this run as it was started: under torchrun, torchrun with as
@@ -1940,7 +1872,7 @@ class Trainer:
             log.info(message)
             append_record(metrics, record)
             out_of_patience = bool(self.cfg.train.patience) and st.evals_without_gain >= self.cfg.train.patience
-        out_of_patience = self._from_main(out_of_patience)
+        out_of_patience = self.comm.flag_from_main(out_of_patience)
         self.save()
         if result is not None:
             self._save_step_files(["step", "ema", "best"] if new_best else ["step", "ema"])
