@@ -546,6 +546,15 @@ class LoadedRun:
             lines, self.model.cfg.max_positions - 1, one_space, self.folds if fold else None
         )
 
+    def pieces_outside_output(self, tgt_ids: Sequence[Sequence[int]]) -> int:
+        """How many of these target pieces the model cannot output (`model.restrict_output`: its
+        softmax covers train's target pieces only)."""
+        first = self.model.members[0] if hasattr(self.model, "members") else self.model
+        if first.output_ids is None:
+            return 0
+        allowed = set(first.output_ids.tolist())
+        return sum(piece not in allowed for ids in tgt_ids for piece in ids)
+
 
 def build_model(cfg: Config, src_tok: BPE, tgt_tok: BPE, output_ids: torch.Tensor | None = None) -> Seq2Seq:
     """The run's model; `output_ids` (`model.restrict_output`) come from training or a checkpoint."""

@@ -35,6 +35,7 @@ from mtx.config import (
 from mtx.errors import (
     STOP_SIGNALS,
     ConfigError,
+    DataError,
     MtxError,
     Terminated,
     command_line,
@@ -42,6 +43,7 @@ from mtx.errors import (
     named_os_errors,
     not_found,
     os_error_line,
+    out_of_memory,
     stderr_or_null,
     take_signals,
 )
@@ -178,7 +180,9 @@ def add_set_option(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text)
 
 
-def _add_decode_options(p: argparse.ArgumentParser) -> None:
+def _add_decode_options(p: argparse.ArgumentParser, search: bool = True) -> None:
+    """The options of the commands that decode with a run; without `search` (`mtx score`), not the
+    search's own (--beam, --workers, --no-cache, --stop)."""
     p.add_argument("--run", required=True, type=path_arg, help="run directory written by mtx train")
     p.add_argument(
         "--checkpoint",
@@ -188,19 +192,21 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
         help="checkpoint file (default: the run's best.pt, else last.pt); repeat it to decode with the "
         "ensemble of several checkpoints of the run (mean of their next-token probabilities)",
     )
-    p.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: the run's decode.beam)")
+    if search:
+        p.add_argument("--beam", type=int, help="beam size; 1 = greedy (default: the run's decode.beam)")
     p.add_argument("--length-penalty", type=float, help="GNMT length penalty alpha (default: decode.length_penalty)")
     p.add_argument("--batch-tokens", type=int, help="decode batch size in source tokens (default: decode.batch_tokens)")
     p.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     p.add_argument(
         "--threads", type=int, default=0, help="CPU threads, at most the CPUs here (default: torch's choice)"
     )
-    p.add_argument(
-        "--workers",
-        type=int,
-        help="threads decoding batches side by side, sharing --threads (default: decode.workers; 0: auto)",
-    )
-    p.add_argument("--no-cache", action="store_true", help="recompute the decoder over the whole prefix each step")
+    if search:
+        p.add_argument(
+            "--workers",
+            type=int,
+            help="threads decoding batches side by side, sharing --threads (default: decode.workers; 0: auto)",
+        )
+        p.add_argument("--no-cache", action="store_true", help="recompute the decoder over the whole prefix each step")
     p.add_argument(
         "--keep-spaces",
         action="store_true",
@@ -214,12 +220,13 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
         "one the run's training sources (nearly) never have read as the form they have, e.g. a typographic "
         "apostrophe as ')",
     )
-    p.add_argument(
-        "--stop",
-        choices=STOPS,
-        help="beam search's stop (default: decode.stop): exact, once no running hypothesis can beat the best "
-        "finished one; finished, once --beam hypotheses have finished (fairseq's rule: faster, may score lower)",
-    )
+    if search:
+        p.add_argument(
+            "--stop",
+            choices=STOPS,
+            help="beam search's stop (default: decode.stop): exact, once no running hypothesis can beat the best "
+            "finished one; finished, once --beam hypotheses have finished (fairseq's rule: faster, may score lower)",
+        )
     p.add_argument(
         "--precision",
         choices=PRECISIONS,
@@ -227,6 +234,8 @@ def _add_decode_options(p: argparse.ArgumentParser) -> None:
         "products are fast (AMX, Zen 4's AVX-512 BF16; a warning says where they are slow) and on GPUs for "
         "models big enough to be bound by their products (at d_model 256 an H200 decoded slower in bf16)",
     )
+    if not search:  # what `_decode_settings` reads of the search's options
+        p.set_defaults(beam=1, workers=None, no_cache=False, stop=None)
 
 
 class _StoreOnce(argparse._StoreAction):
@@ -320,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_parser(sub)
     _add_translate_parser(sub)
     _add_eval_parser(sub)
+    _add_score_parser(sub)
     _add_average_parser(sub)
     _add_export_parser(sub)
     _add_plot_parser(sub)
@@ -376,16 +386,7 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "detokenised sacreBLEU and chrF with their signatures.",
     )
     _add_decode_options(p)
-    p.add_argument(
-        "--split",
-        help="split name in the data directory (default: test_2016_flickr); the official Multi30k test sets "
-        "test_2017_flickr, test_2017_mscoco and test_2018_flickr are downloaded into $XDG_CACHE_HOME/mtx/multi30k "
-        "(default ~/.cache/mtx/multi30k) "
-        "if the directory lacks them",
-    )
-    p.add_argument("--data-dir", type=path_arg, help="data directory (default: the one the run was trained on)")
-    p.add_argument("--src", type=path_arg, help="source file (plain or .gz), instead of --split")
-    p.add_argument("--ref", type=path_arg, help="reference file (plain or .gz), with --src")
+    _add_eval_set_options(p)
     p.add_argument("--lowercase", action="store_true", help="also report lowercased BLEU")
     p.add_argument(
         "--output",
@@ -411,6 +412,38 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "default 1000)",
     )
     p.add_argument("--json", action="store_true", help="print the scores as one JSON object")
+
+
+def _add_eval_set_options(p: argparse.ArgumentParser) -> None:
+    """eval's and score's pairs: a split of the data directory, or --src/--ref files."""
+    p.add_argument(
+        "--split",
+        help="split name in the data directory (default: test_2016_flickr); the official Multi30k test sets "
+        "test_2017_flickr, test_2017_mscoco and test_2018_flickr are downloaded into $XDG_CACHE_HOME/mtx/multi30k "
+        "(default ~/.cache/mtx/multi30k) "
+        "if the directory lacks them",
+    )
+    p.add_argument("--data-dir", type=path_arg, help="data directory (default: the one the run was trained on)")
+    p.add_argument("--src", type=path_arg, help="source file (plain or .gz), instead of --split")
+    p.add_argument("--ref", type=path_arg, help="reference file (plain or .gz), with --src")
+
+
+def _add_score_parser(sub: argparse._SubParsersAction) -> None:
+    """`mtx score`: the model's log-probability of each reference (forced decoding)."""
+    p = sub.add_parser(
+        "score",
+        help="score given translations with a run (forced decoding) and give their perplexity",
+        description="Print, a line per pair of a split (or of --src/--ref files), the log-probability the run's "
+        "model gives the reference (its pieces and EOS) over the GNMT length penalty, as translate --nbest scores "
+        "its own outputs; then, on standard error, the pieces' mean log-probability and perplexity.",
+    )
+    _add_decode_options(p, search=False)
+    _add_eval_set_options(p)
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: the totals, and each pair's score and log-probability",
+    )
 
 
 def _add_average_parser(sub: argparse._SubParsersAction) -> None:
@@ -859,10 +892,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_eval_options(args: argparse.Namespace) -> None:
-    """eval's options that need no file read, checked before the run's config; --split gets its default."""
-    from mtx.evaluate import MIN_BOOTSTRAP
-
+def _check_eval_set_options(args: argparse.Namespace) -> None:
+    """--split or --src/--ref (eval's and score's), checked before any file is read; --split gets its default."""
     if (args.src is None) != (args.ref is None):
         raise MtxError("--src and --ref go together (source file and reference file)")
     if args.src is not None and (args.split is not None or args.data_dir is not None):
@@ -876,6 +907,13 @@ def _check_eval_options(args: argparse.Namespace) -> None:
         raise MtxError(
             f"--split takes a split name such as val or test_2016_flickr, got {args.split!r}; for files use --src/--ref"
         )
+
+
+def _check_eval_options(args: argparse.Namespace) -> None:
+    """eval's options that need no file read, checked before the run's config; --split gets its default."""
+    from mtx.evaluate import MIN_BOOTSTRAP
+
+    _check_eval_set_options(args)
     if args.bootstrap and args.bootstrap < MIN_BOOTSTRAP:
         raise MtxError(f"--bootstrap must be 0 (off) or at least {MIN_BOOTSTRAP} resamples, got {args.bootstrap}")
     resolved = [resolved_path("--paired", path) for path in args.paired]  # (a.en and x/../a.en are one file)
@@ -895,14 +933,15 @@ class _EvalSet(NamedTuple):
     split_files: tuple[Path | None, Path | None]
 
 
-def _read_eval_set(args: argparse.Namespace, cfg: Config) -> _EvalSet:
-    """The lines of --src/--ref, else of the split in the data directory; warnings about the references."""
+def _read_eval_set(args: argparse.Namespace, cfg: Config, as_scored: bool = True) -> _EvalSet:
+    """The lines of --src/--ref, else of the split in the data directory; warnings about the references.
+    `as_scored`: the references as sacreBLEU reads them (else cleaned as training reads its targets)."""
     from mtx.data import eval_split_files, read_parallel, warn_of_invisible_ends, warn_unless_nfc
 
     if args.src is not None:
         # a blank segment translates to an empty line, as in translate (stop 62: refused, and
         # removing it made the hypotheses one line short of other systems' for --paired)
-        src, ref = read_parallel(args.src, args.ref, allow_empty=True, as_scored=True)
+        src, ref = read_parallel(args.src, args.ref, allow_empty=True, as_scored=as_scored)
         name = args.src.name.removesuffix(".gz")
         split_files: tuple[Path | None, Path | None] = (None, None)
     else:
@@ -910,7 +949,7 @@ def _read_eval_set(args: argparse.Namespace, cfg: Config) -> _EvalSet:
         if not data_dir.is_dir():
             raise MtxError(f"{not_found(data_dir, 'data directory')}; pass --data-dir DIR or --src/--ref files")
         split_files = eval_split_files(data_dir, args.split, cfg.data.src_lang, cfg.data.tgt_lang)
-        src, ref = read_parallel(*split_files, allow_empty=True, as_scored=True)
+        src, ref = read_parallel(*split_files, allow_empty=True, as_scored=as_scored)
         name = args.split
     src_file, ref_file = args.src or split_files[0], args.ref or split_files[1]  # the files read
     warn_unless_nfc(ref, str(ref_file))
@@ -1137,6 +1176,80 @@ def _print_scores(result: dict[str, Any], scores: Scores, low: Scores | None, pa
     print(f"hypotheses: {result['hypotheses']}")
 
 
+def cmd_score(args: argparse.Namespace) -> int:
+    """`mtx score`: each pair's log-probability of its reference under the run's model, and the perplexity."""
+    _check_eval_set_options(args)
+    cfg, settings = _settings(args)
+    data = _read_eval_set(args, cfg, as_scored=False)  # the references as training reads its targets
+    run = _load(args)
+    from mtx.search import forced_log_probs, length_penalty, within_positions
+
+    src_ids = within_positions(run.encode_sources(data.src, settings.one_space, settings.fold), run.model)
+    limit = run.model.cfg.max_positions - 1
+    tgt_ids = run.tgt_tok.encode_batch(data.ref, limit)
+    long = [i for i, t in enumerate(tgt_ids, 1) if len(t) > limit]
+    if long:
+        raise DataError(
+            f"{data.ref_file}: {len(long)} reference(s) longer than the model's {limit} positions "
+            f"(model.max_positions - 1), line(s) {', '.join(map(str, long[:10]))}; score shorter lines"
+        )
+    outside = run.pieces_outside_output(tgt_ids)
+    if outside:  # (model.restrict_output)
+        log.warning(
+            "%d reference piece(s) are outside the run's output vocabulary (model.restrict_output): scored as "
+            "<unk>, as training's val loss scores them",
+            outside,
+        )
+    try:
+        with _progress_bar(f"scoring {data.name}", len(src_ids)) as bar:
+            log_probs = forced_log_probs(run.model, src_ids, tgt_ids, settings.batch_tokens, progress=bar.update)
+    except RuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        device = next(run.model.parameters()).device
+        raise MtxError(
+            f"out of memory scoring on {device} in batches of {settings.batch_tokens} tokens; "
+            f"{memory_advice('lower --batch-tokens (decode.batch_tokens)', device)}"
+        ) from None
+    lengths = [len(t) + 1 for t in tgt_ids]  # EOS included
+    scores = [lp / length_penalty(n, settings.alpha) for lp, n in zip(log_probs, lengths, strict=True)]
+    pieces, total = sum(lengths), sum(log_probs)
+    result: dict[str, Any] = {
+        "split": data.name,
+        "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}",
+        "length_penalty": settings.alpha,
+        "precision": _precision(args, cfg),
+        "normalize_spaces": settings.one_space,
+        "normalize_punctuation": settings.fold,
+        "checkpoints": [str(p) for p in run.checkpoints],
+        "src_file": str(data.src_file),
+        "ref_file": str(data.ref_file),
+        "sentences": len(scores),
+        "pieces": pieces,  # EOS included
+        "log_prob": total,
+        "log_prob_per_piece": total / pieces,
+        "perplexity": math.exp(-total / pieces),
+    }
+    with named_os_errors("standard output"):
+        if args.json:
+            print(json.dumps({**result, "scores": scores, "log_probs": log_probs, "lengths": lengths}))
+        else:
+            sys.stdout.write("".join(score_text(x) + "\n" for x in scores))
+            sys.stdout.flush()
+    if not args.json:
+        log.info(
+            "%s %s: %d pairs, %d target pieces (EOS included), log-probability %.4f a piece, perplexity %.2f (%s)",
+            data.name,
+            result["direction"],
+            len(scores),
+            pieces,
+            result["log_prob_per_piece"],
+            result["perplexity"],
+            ", ".join(result["checkpoints"]),
+        )
+    return 0
+
+
 def zero_width_terminal(stream: Any) -> bool:
     """Whether `stream` is a terminal that reports 0 columns (a pseudo-terminal never sized:
     `script`'s, some containers'), where tqdm draws a bar 0 characters wide, nothing at all."""
@@ -1223,6 +1336,7 @@ COMMANDS = {
     "translate": cmd_translate,
     "export": cmd_export,
     "eval": cmd_eval,
+    "score": cmd_score,
     "average": cmd_average,
     "plot": cmd_plot,
     "compare": cmd_compare,

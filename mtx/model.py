@@ -724,6 +724,9 @@ class Ensemble(nn.Module):
     def output_tokens(self, columns: torch.Tensor) -> torch.Tensor:
         return self.members[0].output_tokens(columns)
 
+    def output_columns(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.members[0].output_columns(ids)
+
     @contextlib.contextmanager
     def packed_weights(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:

@@ -10,6 +10,7 @@ import fcntl
 import io
 import json
 import logging
+import math
 import os
 import pty
 import re
@@ -1683,3 +1684,89 @@ def test_every_commands_help_is_ascii() -> None:
     for name, command in commands.items():
         assert command.format_help().isascii(), name
     assert parser.format_help().isascii()
+
+
+def test_score_prints_each_pairs_score_and_training_val_loss_as_its_perplexity(
+    tiny_run: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mtx score` (forced decoding): a line per pair, the score `translate --nbest` would give that
+    output (log-probability over the GNMT penalty); its log-probability per piece is the val loss
+    training computes (no smoothing) for the same checkpoint and pairs."""
+    import numpy as np
+
+    from mtx.checkpoint import load_run
+    from mtx.data import ParallelIds, plan_batches, read_sources
+    from mtx.loss import label_smoothed_loss
+    from mtx.search import length_penalty
+
+    last = tiny_run / "checkpoints" / "last.pt"
+    args = ["score", "--run", str(tiny_run), "--checkpoint", str(last), "--data-dir", str(small_data), "--split", "val"]
+    lines, as_json = mtx_here(monkeypatch, *args), mtx_here(monkeypatch, *args, "--json", "--length-penalty", "0.5")
+    assert lines.returncode == 0 and as_json.returncode == 0, lines.stderr.decode() + as_json.stderr.decode()
+    result = json.loads(as_json.stdout)
+    assert result["sentences"] == len(result["scores"]) == 200 and result["length_penalty"] == 0.5
+    alpha = load_run_config(tiny_run).decode.length_penalty
+    assert lines.stdout.decode().splitlines() == [
+        score_text(lp / length_penalty(n, alpha)) for lp, n in zip(result["log_probs"], result["lengths"], strict=True)
+    ]
+    assert result["scores"] == pytest.approx(
+        [lp / length_penalty(n, 0.5) for lp, n in zip(result["log_probs"], result["lengths"], strict=True)]
+    )
+    assert f"perplexity {result['perplexity']:.2f}" in lines.stderr.decode()
+
+    run = load_run(tiny_run, [last])
+    cfg = run.cfg
+    src = read_sources(read_lines(small_data / "val.de"), cfg.decode.normalize_spaces, run.folds)
+    ids = ParallelIds.encode(src, read_lines(small_data / "val.en"), run.src_tok, run.tgt_tok)
+    rows, loss, pieces = np.arange(len(ids)), 0.0, 0
+    with torch.no_grad():
+        for batch in plan_batches(ids.src_lens, ids.tgt_lens, cfg.train.batch_tokens):
+            b = ids.batch(rows[batch])
+            loss, pieces = loss + label_smoothed_loss(run.model.eval(), b, 0.0).item(), pieces + b.n_tgt_tokens
+    assert result["pieces"] == pieces == sum(result["lengths"])
+    assert result["log_prob_per_piece"] == pytest.approx(-loss / pieces, abs=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(loss / pieces), rel=1e-5)
+
+
+def test_score_refuses_what_it_cannot_score_in_one_line(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, ref = tmp_path / "src.de", tmp_path / "ref.en"
+    src.write_text("Ein Hund.\nZwei Katzen.\n", encoding="utf-8")
+    ref.write_text("A dog.\n", encoding="utf-8")
+    run = ["score", "--run", str(tiny_run)]
+    assert_one_line_error(mtx_here(monkeypatch, *run, "--src", str(src)), "--src and --ref go together")
+    assert_one_line_error(mtx_here(monkeypatch, *run, "--src", str(src), "--ref", str(ref)), "has 2 lines", "has 1")
+    ref.write_text("A dog.\n" + "dog " * 400 + "\n", encoding="utf-8")  # more pieces than the 160 positions
+    assert_one_line_error(
+        mtx_here(monkeypatch, *run, "--src", str(src), "--ref", str(ref)), f"{ref}: 1 reference(s) longer", "line(s) 2"
+    )
+    assert mtx_here(monkeypatch, *run, "--beam", "4").returncode == 2  # no search: a usage error
+
+    def out_of_memory(*args: object, **kwargs: object) -> list[float]:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    from mtx import search
+
+    monkeypatch.setattr(search, "forced_log_probs", out_of_memory)
+    ref.write_text("A dog.\nTwo cats.\n", encoding="utf-8")
+    assert_one_line_error(
+        mtx_here(monkeypatch, *run, "--src", str(src), "--ref", str(ref), "--batch-tokens", "900"),
+        "out of memory scoring on cpu in batches of 900 tokens",
+        "lower --batch-tokens",
+    )
+
+
+def test_score_counts_the_reference_pieces_a_restricted_softmax_cannot_give(
+    tiny_restricted_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, ref = tmp_path / "src.de", tmp_path / "ref.en"
+    src.write_text("Ein Hund.\nZwei Katzen.\n", encoding="utf-8")
+    ref.write_text("A dog \u2603.\nTwo cats.\n", encoding="utf-8")  # a snowman: pieces train's targets never have
+    result = mtx_here(monkeypatch, "score", "--run", str(tiny_restricted_run), "--src", str(src), "--ref", str(ref))
+    assert result.returncode == 0, result.stderr.decode()
+    assert re.search(r"\d+ reference piece\(s\) are outside the run's output vocabulary", result.stderr.decode())
+    assert len(result.stdout.decode().splitlines()) == 2
+    ref.write_text("A dog.\nTwo cats.\n", encoding="utf-8")
+    plain = mtx_here(monkeypatch, "score", "--run", str(tiny_restricted_run), "--src", str(src), "--ref", str(ref))
+    assert plain.returncode == 0 and "outside the run's output vocabulary" not in plain.stderr.decode()

@@ -18,7 +18,15 @@ from mtx.checkpoint import LoadedRun, load_run
 from mtx.config import ModelConfig
 from mtx.data import pad_ids, read_lines
 from mtx.model import Ensemble, Seq2Seq, make_src_mask
-from mtx.search import beam_search, greedy_search, length_penalty, top_candidates, translate_ids, within_positions
+from mtx.search import (
+    beam_search,
+    forced_log_probs,
+    greedy_search,
+    length_penalty,
+    top_candidates,
+    translate_ids,
+    within_positions,
+)
 from mtx.tokenizer import BOS, EOS, PAD
 
 
@@ -316,6 +324,24 @@ def test_nbest_sorted_and_first_is_one_best(run: LoadedRun, src_ids: list[list[i
             assert len({tuple(h.tokens) for h in hyps}) == 4
         for h in hyps:  # score is the length-normalised log-probability
             assert h.score == pytest.approx(h.log_prob / length_penalty(len(h.tokens) + 1, 1.0), abs=1e-5)
+
+
+def test_forced_decoding_gives_the_searches_own_scores(run: LoadedRun, src_ids: list[list[int]]) -> None:
+    """`mtx score`'s teacher-forced log-probability of a search's output is the log-probability
+    the search summed for it, step by step through the KV cache: for greedy and for each of a
+    4-best list, whatever the batch."""
+    nbest = translate_ids(run.model, src_ids, 4, 1.0, 1.2, 10, 100_000, nbest=4)
+    greedy = translate_ids(run.model, src_ids, 1, 1.0, 1.2, 10, 100_000)
+    hyps = [h for hs in nbest + greedy for h in hs]
+    pairs_src = [s for s, hs in zip(src_ids * 2, nbest + greedy, strict=True) for _ in hs]
+    one_batch = forced_log_probs(run.model, pairs_src, [h.tokens for h in hyps], 100_000)
+    one_at_a_time = forced_log_probs(run.model, pairs_src, [h.tokens for h in hyps], 1)
+    assert one_batch == pytest.approx([h.log_prob for h in hyps], abs=1e-4)
+    assert one_at_a_time == pytest.approx(one_batch, abs=1e-4)
+    beams = len(hyps) - len(greedy)
+    for h, forced in zip(hyps[:beams], one_batch[:beams], strict=True):  # beam's: length-normalised
+        assert forced / length_penalty(len(h.tokens) + 1, 1.0) == pytest.approx(h.score, abs=1e-4)
+    assert len({len(h.tokens) for h in hyps}) > 3  # outputs of many lengths, padded in one batch
 
 
 @pytest.mark.parametrize("beam", [1, 4])
