@@ -1238,13 +1238,14 @@ def cmd_score(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     if not args.json:
         log.info(
-            "%s %s: %d pairs, %d target pieces (EOS included), log-probability %.4f a piece, perplexity %.2f (%s)",
+            "%s %s: %d pairs, %d target pieces (EOS included), log-probability %.4f a piece, perplexity %.2f (%s, %s)",
             data.name,
             result["direction"],
             len(scores),
             pieces,
             result["log_prob_per_piece"],
             result["perplexity"],
+            result["precision"],
             ", ".join(result["checkpoints"]),
         )
     return 0
