@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -99,6 +101,30 @@ def barrier(ranks: Ranks, device: torch.device) -> None:
     """Wait until every rank is here (nothing to wait for in a single process)."""
     if ranks.world_size > 1:
         dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+
+
+LAUNCHER_POLL = 0.5  # seconds between a torchrun rank's looks at whether torchrun still runs
+
+
+def stop_with_launcher(poll: float = LAUNCHER_POLL) -> threading.Thread | None:
+    """Under torchrun: a daemon thread that sends this rank SIGTERM once, when torchrun's process
+    has ended, as by `kill -9` (torchrun passes its own SIGTERM and SIGINT on, but a killed torchrun
+    cannot, and its ranks trained on, holding the run directory's lock: stop 68's probe). The rank
+    then stops as on any SIGTERM: every rank at the same step, last.pt saved. (Linux's parent-death
+    signal, tried first, came once for each of torchrun's threads as they ended, and a rank read
+    the second as a second Ctrl-C: stopped without saving.) None where not under torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.name != "posix":
+        return None
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:  # an orphan's parent becomes a reaper
+            time.sleep(poll)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="mtx torchrun watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def start_process_group(device: torch.device, ranks: Ranks) -> None:

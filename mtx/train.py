@@ -1898,6 +1898,7 @@ def fit(cfg: Config, run_dir: Path, resume: bool = False) -> tuple[TrainState, P
     Under torchrun (WORLD_SIZE > 1) every process runs this with the same arguments and trains
     one DDP replica; rank 0 alone writes the run directory and logs."""
     ranks = Ranks.from_env()
+    devices.stop_with_launcher()  # (a torchrun killed: its ranks stop too)
     # the device first: `train.device: cuda` on a machine without CUDA started the whole Multi30k
     # download before it was refused (stop 62)
     device = rank_device(cfg.train.device, ranks)

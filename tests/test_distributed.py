@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -555,6 +556,31 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             found.append(int(stat.parent.name))
     return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's ranks through /proc")
+def test_kill_9_of_torchrun_stops_its_ranks_with_last_pt_saved(tmp_path: Path, mini_data: Path) -> None:
+    """torchrun passes SIGTERM and SIGINT on to its ranks, but a torchrun killed cannot: its ranks
+    trained on, holding the run directory's lock (stop 68's probe). Each rank now sends itself
+    SIGTERM once torchrun has ended, and stops as on any SIGTERM: at the same step, last.pt saved."""
+    run_dir, stderr = tmp_path / "run", tmp_path / "stderr"
+    proc = start_torchrun(stderr, mini_data, run_dir, "train.eval_every=100000")
+    wait_for(lambda: train_lines(run_dir) >= 2, proc, timeout=300)
+    ranks = _children(proc.pid)
+    assert len(ranks) == 2
+    proc.kill()
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 120
+    while (left := [pid for pid in ranks if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:  # (not to train on after a failed test)
+        os.kill(pid, signal.SIGKILL)
+    text = stderr.read_text()
+    assert not left, text[-3000:]
+    step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
+    assert step >= 2, text[-3000:]
+    assert text.count(f"mtx: training stopped by SIGTERM at step {step}; checkpoint saved.") == 1, text[-3000:]
+    assert mtx("train", "--run-dir", str(run_dir), "--resume", "--set", f"train.max_steps={step + 1}").returncode == 0
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's ranks through /proc")
