@@ -539,12 +539,14 @@ class LoadedRun:
         (`one_space`, default decode.normalize_spaces) and punctuation the training data lacks read
         as it has it (`fold`, default decode.normalize_punctuation), each line cut at the model's
         positions."""
-        dc = self.cfg.decode
-        one_space = dc.normalize_spaces if one_space is None else one_space
-        fold = dc.normalize_punctuation if fold is None else fold
-        return self.src_tok.encode_batch(
-            lines, self.model.cfg.max_positions - 1, one_space, self.folds if fold else None
-        )
+        one_space = self.cfg.decode.normalize_spaces if one_space is None else one_space
+        return self.src_tok.encode_batch(lines, self.model.cfg.max_positions - 1, one_space, self.source_folds(fold))
+
+    def source_folds(self, fold: bool | None = None) -> dict[str, str]:
+        """The characters a source is read as others by (`folds`) where `fold` (default
+        decode.normalize_punctuation), else none."""
+        fold = self.cfg.decode.normalize_punctuation if fold is None else fold
+        return self.folds if fold else {}
 
     def pieces_outside_output(self, tgt_ids: Sequence[Sequence[int]]) -> int:
         """How many of these target pieces the model cannot output (`model.restrict_output`: its

@@ -1118,7 +1118,7 @@ def _report_scores(
         "precision": _precision(args, cfg),
         "normalize_spaces": settings.one_space,
         "normalize_punctuation": settings.fold,
-        "punctuation_read_as": run.folds if settings.fold else {},  # {character: the one it was read as}
+        "punctuation_read_as": run.source_folds(settings.fold),  # {character: the one it was read as}
         # the files decoded with, the run's default one too (stop 63: [] unless --checkpoint was given)
         "checkpoints": [str(p) for p in run.checkpoints],
         "src_file": str(data.src_file),

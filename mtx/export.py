@@ -307,9 +307,8 @@ def _write_model(run: LoadedRun, spec: Any, staging: Path, out_dir: Path, quanti
         # written by Python: `tokenizers`' save takes a UTF-8 path only (an --out named in other bytes)
         for tok, name in ((run.src_tok, "source_tokenizer.json"), (run.tgt_tok, "target_tokenizer.json")):
             source = name.startswith("source")
-            dc = run.cfg.decode
-            folds = run.folds if source and dc.normalize_punctuation else None
-            exported = exported_tokenizer(tok, source, source and dc.normalize_spaces, folds)
+            folds = run.source_folds() if source else None
+            exported = exported_tokenizer(tok, source, source and run.cfg.decode.normalize_spaces, folds)
             (staging / name).write_text(exported.to_str(pretty=True), encoding="utf-8")
         cfg = run.cfg
         info = {
@@ -326,7 +325,7 @@ def _write_model(run: LoadedRun, spec: Any, staging: Path, out_dir: Path, quanti
             },
             "restricted_output": run.model.output_ids is not None,
             # what source_tokenizer.json reads as the training sources write it (decode.normalize_punctuation)
-            "source_punctuation_read_as": run.folds if cfg.decode.normalize_punctuation else {},
+            "source_punctuation_read_as": run.source_folds(),
         }
         (staging / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
         _sync_files(staging)  # (stop 67: a power cut after the rename could leave empty or torn files)
