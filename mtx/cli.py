@@ -43,7 +43,6 @@ from mtx.errors import (
     named_os_errors,
     not_found,
     os_error_line,
-    out_of_memory,
     stderr_or_null,
     take_signals,
 )
@@ -1200,17 +1199,8 @@ def cmd_score(args: argparse.Namespace) -> int:
             "<unk>, as training's val loss scores them",
             outside,
         )
-    try:
-        with _progress_bar(f"scoring {data.name}", len(src_ids)) as bar:
-            log_probs = forced_log_probs(run.model, src_ids, tgt_ids, settings.batch_tokens, progress=bar.update)
-    except RuntimeError as e:
-        if not out_of_memory(e):
-            raise
-        device = next(run.model.parameters()).device
-        raise MtxError(
-            f"out of memory scoring on {device} in batches of {settings.batch_tokens} tokens; "
-            f"{memory_advice('lower --batch-tokens (decode.batch_tokens)', device)}"
-        ) from None
+    with _progress_bar(f"scoring {data.name}", len(src_ids)) as bar:
+        log_probs = forced_log_probs(run.model, src_ids, tgt_ids, settings.batch_tokens, progress=bar.update)
     lengths = [len(t) + 1 for t in tgt_ids]  # EOS included
     scores = [lp / length_penalty(n, settings.alpha) for lp, n in zip(log_probs, lengths, strict=True)]
     pieces, total = sum(lengths), sum(log_probs)

@@ -466,26 +466,45 @@ def forced_log_probs(
     """Per pair, the log-probability the model gives the target: its pieces, then EOS, each after
     the ones before (teacher forcing), summed as a search sums its output's (`Hypothesis.log_prob`).
     Both sides must fit the model's positions (`max_positions - 1` pieces); an empty source is
-    read as EOS alone. Pairs go in length-sorted batches of about `batch_tokens` tokens."""
+    read as EOS alone. Pairs go in length-sorted batches of about `batch_tokens` tokens; running
+    out of memory is `DecodeOutOfMemory`, as in `translate_ids`."""
     device = next(model.parameters()).device
     model.eval()
     sums = [0.0] * len(src_ids)
     lengths = [max(len(s), len(t)) + 1 for s, t in zip(src_ids, tgt_ids, strict=True)]
-    for batch in _decode_batches(lengths, batch_tokens):
-        src = pad_ids([src_ids[i] for i in batch], suffix=EOS).to(device)
-        tgt_in = pad_ids([tgt_ids[i] for i in batch], prefix=BOS).to(device)
-        tgt_out = pad_ids([tgt_ids[i] for i in batch], suffix=EOS).to(device)
-        src_mask = make_src_mask(src)
-        logits = model.decode(tgt_in, model.encode(src, src_mask), src_mask).float()
-        log_probs = torch.log_softmax(logits, dim=-1)  # as `_next_log_probs` takes each step's
-        if model.unemitted_columns:
-            log_probs[..., : model.unemitted_columns] = float("-inf")
-        picked = log_probs.gather(-1, model.output_columns(tgt_out)[..., None]).squeeze(-1)
-        for i, total in zip(batch, picked.masked_fill(tgt_out == PAD, 0.0).sum(dim=1).tolist(), strict=True):
-            sums[i] = total
-        if progress is not None:
-            progress(len(batch))
+    try:
+        for batch in _decode_batches(lengths, batch_tokens):
+            for i, total in zip(batch, _forced_sums(model, src_ids, tgt_ids, batch, device), strict=True):
+                sums[i] = total
+            if progress is not None:
+                progress(len(batch))
+    except RuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        where = f"out of memory scoring on {device} in batches of {batch_tokens} tokens"
+        advice = memory_advice("lower --batch-tokens (decode.batch_tokens)", device)
+        raise DecodeOutOfMemory(f"{where}; {advice}", where) from None
     return sums
+
+
+def _forced_sums(
+    model: Seq2Seq | Ensemble,
+    src_ids: Sequence[Sequence[int]],
+    tgt_ids: Sequence[Sequence[int]],
+    batch: list[int],
+    device: torch.device,
+) -> list[float]:
+    """`forced_log_probs` of the pairs `batch` indexes, in one teacher-forced pass."""
+    src = pad_ids([src_ids[i] for i in batch], suffix=EOS).to(device)
+    tgt_in = pad_ids([tgt_ids[i] for i in batch], prefix=BOS).to(device)
+    tgt_out = pad_ids([tgt_ids[i] for i in batch], suffix=EOS).to(device)
+    src_mask = make_src_mask(src)
+    logits = model.decode(tgt_in, model.encode(src, src_mask), src_mask).float()
+    log_probs = torch.log_softmax(logits, dim=-1)  # as `_next_log_probs` takes each step's
+    if model.unemitted_columns:
+        log_probs[..., : model.unemitted_columns] = float("-inf")
+    picked = log_probs.gather(-1, model.output_columns(tgt_out)[..., None]).squeeze(-1)
+    return picked.masked_fill(tgt_out == PAD, 0.0).sum(dim=1).tolist()
 
 
 class DecodeOutOfMemory(MtxError):

@@ -1748,7 +1748,7 @@ def test_score_refuses_what_it_cannot_score_in_one_line(
 
     from mtx import search
 
-    monkeypatch.setattr(search, "forced_log_probs", out_of_memory)
+    monkeypatch.setattr(search, "_forced_sums", out_of_memory)  # a batch's pass
     ref.write_text("A dog.\nTwo cats.\n", encoding="utf-8")
     assert_one_line_error(
         mtx_here(monkeypatch, *run, "--src", str(src), "--ref", str(ref), "--batch-tokens", "900"),
