@@ -1114,15 +1114,7 @@ def _report_scores(
         "beam": beam,
         "length_penalty": alpha if beam > 1 else None,  # (greedy has none)
         "stop": stop,
-        "precision": _precision(args, cfg),
-        "normalize_spaces": settings.one_space,
-        "normalize_punctuation": settings.fold,
-        "punctuation_read_as": run.source_folds(settings.fold),  # {character: the one it was read as}
-        # the files decoded with, the run's default one too (stop 63: [] unless --checkpoint was given)
-        "checkpoints": [str(p) for p in run.checkpoints],
-        "src_file": str(data.src_file),
-        "ref_file": str(data.ref_file),
-        "sentences": len(data.src),
+        **_how_read(args, cfg, run, data, settings),
         **scores.as_dict(),
         "hypotheses": str(output),
     }
@@ -1143,6 +1135,23 @@ def _report_scores(
             print(json.dumps(result))
         else:
             _print_scores(result, scores, low, paired)
+
+
+def _how_read(
+    args: argparse.Namespace, cfg: Config, run: LoadedRun, data: _EvalSet, settings: _DecodeSettings
+) -> dict[str, Any]:
+    """What eval's and score's JSON say of how the pairs were read and decoded."""
+    return {
+        "precision": _precision(args, cfg),
+        "normalize_spaces": settings.one_space,
+        "normalize_punctuation": settings.fold,
+        "punctuation_read_as": run.source_folds(settings.fold),  # {character: the one it was read as}
+        # the files decoded with, the run's default one too (stop 63: [] unless --checkpoint was given)
+        "checkpoints": [str(p) for p in run.checkpoints],
+        "src_file": str(data.src_file),
+        "ref_file": str(data.ref_file),
+        "sentences": len(data.src),
+    }
 
 
 def _print_scores(result: dict[str, Any], scores: Scores, low: Scores | None, paired: list[PairedResult]) -> None:
@@ -1208,13 +1217,7 @@ def cmd_score(args: argparse.Namespace) -> int:
         "split": data.name,
         "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}",
         "length_penalty": settings.alpha,
-        "precision": _precision(args, cfg),
-        "normalize_spaces": settings.one_space,
-        "normalize_punctuation": settings.fold,
-        "checkpoints": [str(p) for p in run.checkpoints],
-        "src_file": str(data.src_file),
-        "ref_file": str(data.ref_file),
-        "sentences": len(scores),
+        **_how_read(args, cfg, run, data, settings),
         "pieces": pieces,  # EOS included
         "log_prob": total,
         "log_prob_per_piece": total / pieces,
