@@ -33,6 +33,7 @@ The reference's step time over that is the most mtx could gain on the reference 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -214,7 +215,12 @@ def gemm_seconds(step: Callable[[Batch], None], batches: list[Batch]) -> float:
     return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS) / 1e6
 
 
-COMPILED_LOSS = training_loss(compiled=True)  # what `train.compile: true` trains with
+@functools.cache
+def compiled_loss() -> Callable[..., torch.Tensor]:
+    """What `train.compile: true` trains with; made on first use, as torch.compile imports its
+    compiler (2-3 s, and 10 s under `python -OO` where bytecode is not cached) and --help needs none."""
+    return training_loss(compiled=True)
+
 
 # --ablate: each undoes one of mtx's speed changes (the model's own, or the training step's)
 ABLATIONS = {
@@ -237,7 +243,7 @@ def with_torch_dropout(model: Seq2Seq) -> Seq2Seq:
 
 def _mtx_loss(model: Seq2Seq, batch: Batch, smoothing: float, ablation: str, compiled: bool) -> torch.Tensor:
     if ablation not in ("unfused loss", "padded loss"):
-        return (COMPILED_LOSS if compiled else label_smoothed_loss)(model, batch, smoothing)
+        return (compiled_loss() if compiled else label_smoothed_loss)(model, batch, smoothing)
     src_mask = make_src_mask(batch.src)
     states = model.decoder_states(batch.tgt_in, model.encode(batch.src, src_mask), src_mask)
     target = batch.tgt_out

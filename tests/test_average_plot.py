@@ -534,14 +534,14 @@ def test_choose_on_val_scores_averages_and_penalties_then_applies_the_choice(
     run_copy: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     script = Path(__file__).resolve().parent.parent / "scripts" / "choose_on_val.py"
-    args = [sys.executable, str(script), "--run", str(run_copy), "--last", "2,9", "--length-penalty", "0.6,1.0"]
-    args += ["--beam", "1", "--ensemble", "2,9"]
-    done = subprocess.run([*args, "--apply"], capture_output=True, text=True, check=True)
-    lines = done.stdout.splitlines()
+    args = ["--run", str(run_copy), "--last", "2,9", "--length-penalty", "0.6,1.0", "--beam", "1", "--ensemble", "2,9"]
+    code, out, err = script_in_process(script, [*args, "--apply"], monkeypatch, capsys)
+    assert code == 0, err
+    lines = out.splitlines()
     # sizes beyond the run's step checkpoints are said to be left out (stop 57: without a word)
     n = len(step_checkpoints(run_copy))
     for option in ("--last", "--ensemble"):
-        assert f"note: {option} 9: more than the run's {n} step checkpoints; left out" in done.stderr
+        assert f"note: {option} 9: more than the run's {n} step checkpoints; left out" in err
     assert any(line.startswith("best single") for line in lines)
     assert any(line.startswith("average of the last 2:") for line in lines)
     assert any(line.startswith("moving average (ema.pt, decay 0.99):") for line in lines)

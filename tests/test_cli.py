@@ -702,7 +702,9 @@ def test_output_paths_that_are_not_files_or_not_what_the_command_takes_are_one_l
             assert_one_line_error(full, "standard output: No space left on device")
 
 
-def test_standard_streams_closed_or_named_as_files(tiny_run: Path, tmp_path: Path) -> None:
+def test_standard_streams_closed_or_named_as_files(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """stop 54: a closed standard input or output was a traceback; eval --output /dev/stdout with
     stdout redirected to a file wrote the hypotheses from the file's start, and the scores over
     them; plot --out /dev/stdout wrote /dev/stdout.png."""
@@ -724,7 +726,9 @@ def test_standard_streams_closed_or_named_as_files(tiny_run: Path, tmp_path: Pat
         done = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, cwd=REPO, env=_child_env(), timeout=600)
     assert done.returncode == 0, done.stderr.decode()
     lines = (tmp_path / "all.txt").read_text().splitlines()
-    hyps = mtx("translate", "--run", str(tiny_run), "--beam", "1", stdin=(tmp_path / "s.de").read_bytes())
+    hyps = mtx_here(
+        monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", stdin=(tmp_path / "s.de").read_bytes()
+    )
     assert lines[:3] == hyps.stdout.decode().splitlines() and lines[3].startswith("s.de de-en beam 1")
     assert lines[-1] == "hypotheses: /dev/stdout"
     dash = mtx("eval", "--run", str(tiny_run), *files, "--output", "-", cwd=tmp_path)  # "-": standard output too
@@ -735,7 +739,9 @@ def test_standard_streams_closed_or_named_as_files(tiny_run: Path, tmp_path: Pat
     assert not Path("/dev/stdout.png").exists()
 
 
-def test_a_closed_standard_error_loses_no_output_and_adds_none(tiny_run: Path, tmp_path: Path) -> None:
+def test_a_closed_standard_error_loses_no_output_and_adds_none(
+    tiny_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With standard error closed (`2>&-`), eval and translate from a pipe exited 1 with no output
     (the progress bar wrote to None), and log lines and notes went to standard output: a warning
     became a line of translate's output (stop 68's probe; stop 54 had seen to the error line alone)."""
@@ -748,7 +754,7 @@ def test_a_closed_standard_error_loses_no_output_and_adds_none(tiny_run: Path, t
         )  # fmt: skip
 
     lines = b"Ein Hund.\nEine Frau.\n"
-    want = mtx("translate", "--run", str(tiny_run), "--beam", "1", stdin=lines).stdout
+    want = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--beam", "1", stdin=lines).stdout
     piped = closed_2("translate", "--run", str(tiny_run), "--beam", "1", stdin=lines)
     assert piped.returncode == 0 and piped.stdout == want and len(want.splitlines()) == 2
     (tmp_path / "s.de").write_bytes(lines)
@@ -1561,7 +1567,9 @@ def test_main_leaves_the_calling_programs_logging_as_it_was(tiny_run: Path, tmp_
     assert (tmp_path / "train.log").read_text().splitlines() == [lines[0][1], lines[1][1]]
 
 
-def test_the_readmes_python_example_translates_as_the_command_does(tiny_run: Path) -> None:
+def test_the_readmes_python_example_translates_as_the_command_does(
+    tiny_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """README's "From Python" code, run as written on a run, gives `mtx translate`'s output, a
     byte order mark and direction marks at a line's ends read as the command reads them (stop
     68's probe: the library's route kept them, 12 BLEU lost on val), and whitespace inside a line
@@ -1580,7 +1588,8 @@ def test_the_readmes_python_example_translates_as_the_command_does(tiny_run: Pat
         exec(compile(code, "README.md", "exec"), {})
     got = ast.literal_eval(printed.getvalue())
     cfg = load_run_config(tiny_run)
-    want = mtx("translate", "--run", str(tiny_run), "--beam", str(cfg.decode.beam), *sentences).stdout.decode()
+    beam = str(cfg.decode.beam)
+    want = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--beam", beam, *sentences).stdout.decode()
     assert got == want.splitlines() and len(got) == 2
 
 

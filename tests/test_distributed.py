@@ -29,8 +29,7 @@ from mtx.errors import ConfigError, DataError, MtxError, Terminated, command_lin
 from mtx.rundir import prepare_run_dir
 from mtx.train import Trainer
 
-from .conftest import REPO, TINY_CONFIG, tiny_args
-from .test_cli import mtx
+from .conftest import REPO, TINY_CONFIG, main_in_process, tiny_args
 from .test_reliability import train_lines, wait_for
 
 ACCUM = (2, 2, 2, 1)  # micro-batches per rank in each of the compared optimizer steps
@@ -424,17 +423,33 @@ def torchrun(*args: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([*command, "-m", "mtx", *args], capture_output=True, cwd=REPO, env=env, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory: pytest.TempPathFactory, mini_data: Path) -> tuple[Path, str]:
+    """A run trained by 2 processes through torchrun to step 10, then resumed by torchrun to step
+    20 (validated at both), with BPE-dropout (rank 0 segments each epoch and sends it to rank 1) and
+    a moving average of the weights (rank 0 alone keeps and saves it); the resume's stderr. Shared,
+    as each torchrun start takes 8-10 s on 2 cores; a test that changes the run works on a copy."""
+    run_dir = tmp_path_factory.mktemp("torchrun") / "run"
+    common = ("--set", "train.eval_every=10", "--set", "train.log_every=5", "--set", "train.accum_steps=2")
+    common += ("--set", "tokenizer.bpe_dropout=0.1", "--set", "train.ema=0.9", "--set", "train.device=cpu")
+    r = torchrun(
+        *tiny_args(mini_data, run_dir, *common, "--set", "train.max_steps=10", "--set", "train.eval_sentences=20")
+    )
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    r = torchrun("train", "--run-dir", str(run_dir), "--resume", "--set", "train.max_steps=20")
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    return run_dir, r.stderr.decode()
+
+
 def test_torchrun_resumes_an_old_last_pt_by_its_validations_and_a_refused_resume_is_one_line_a_rank(
-    tmp_path: Path, mini_data: Path
+    tmp_path: Path, torchrun_run: tuple[Path, str]
 ) -> None:
     """Under torchrun a last.pt of an mtx before stop 54, which a signal stopped between
     validations, was still taken as validated at its step ("the save of step 20 was cut short",
     no validation); a resume that rank 0 refused left rank 1's 30-line traceback of gloo (stop
     68's probe)."""
     run_dir = tmp_path / "run"
-    common = ("--set", "train.eval_every=10", "--set", "train.eval_sentences=10", "--set", "train.device=cpu")
-    r = torchrun(*tiny_args(mini_data, run_dir, *common, "--set", "train.max_steps=20"))
-    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    shutil.copytree(torchrun_run[0], run_dir)
     refused = torchrun("train", "--run-dir", str(run_dir), "--resume", "--set", "model.d_ff=256")
     err = refused.stderr.decode()
     assert refused.returncode != 0 and "[rank1]:" not in err, err[-3000:]  # (torchrun's own traceback follows)
@@ -454,23 +469,14 @@ def test_torchrun_resumes_an_old_last_pt_by_its_validations_and_a_refused_resume
     err = r.stderr.decode()
     assert r.returncode == 0 and "cut short" not in err and "step 20: val loss" in err, err[-3000:]
     assert [(r["event"], r["step"]) for r in map(json.loads, metrics.read_text().splitlines())][-1] == ("valid", 20)
+    assert (run_dir / "checkpoints" / "step_20.pt").is_file()
 
 
-def test_torchrun_trains_resumes_and_translates(tmp_path: Path, mini_data: Path) -> None:
-    """2 processes through torchrun: rank 0 alone writes the run; --resume continues it; it translates.
-    With BPE-dropout: rank 0 segments each epoch and sends it to rank 1; with a moving average of
-    the weights, which rank 0 alone keeps and saves."""
-    run_dir = tmp_path / "run"
-    common = ("--set", "train.eval_every=10", "--set", "train.log_every=5", "--set", "train.accum_steps=2")
-    common += ("--set", "tokenizer.bpe_dropout=0.1", "--set", "train.ema=0.9", "--set", "train.device=cpu")
-    r = torchrun(
-        *tiny_args(mini_data, run_dir, *common, "--set", "train.max_steps=10", "--set", "train.eval_sentences=20")
-    )
-    assert r.returncode == 0, r.stderr.decode()[-3000:]
-    r = torchrun("train", "--run-dir", str(run_dir), "--resume", "--set", "train.max_steps=20")
-    err = r.stderr.decode()
-    assert r.returncode == 0, err[-3000:]
-
+def test_torchrun_trains_resumes_and_translates(
+    torchrun_run: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 processes through torchrun: rank 0 alone writes the run; --resume continues it; it translates."""
+    run_dir, err = torchrun_run
     names = {str(p.relative_to(run_dir)) for p in run_dir.rglob("*")}
     assert names == {
         "config.yaml",
@@ -497,7 +503,9 @@ def test_torchrun_trains_resumes_and_translates(tmp_path: Path, mini_data: Path)
     assert len(rng) == 2 and torch.equal(rng[0]["torch"], last["rng"]["torch"])
     assert not torch.equal(rng[0]["torch"], rng[1]["torch"])  # each rank draws its own dropout masks
 
-    r = mtx("translate", "--run", str(run_dir), "--beam", "2", "Ein Mann fährt Fahrrad.")
+    r = main_in_process(
+        ["translate", "--run", str(run_dir), "--beam", "2", "Ein Mann fährt Fahrrad."], None, monkeypatch
+    )
     assert r.returncode == 0, r.stderr.decode()
     assert len(r.stdout.decode().splitlines()) == 1 and r.stdout.decode().strip()
 
@@ -559,7 +567,9 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's ranks through /proc")
-def test_kill_9_of_torchrun_stops_its_ranks_with_last_pt_saved(tmp_path: Path, mini_data: Path) -> None:
+def test_kill_9_of_torchrun_stops_its_ranks_with_last_pt_saved(
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """torchrun passes SIGTERM and SIGINT on to its ranks, but a torchrun killed cannot: its ranks
     trained on, holding the run directory's lock (stop 68's probe). Each rank now sends itself
     SIGTERM once torchrun has ended, and stops as on any SIGTERM: at the same step, last.pt saved."""
@@ -580,7 +590,8 @@ def test_kill_9_of_torchrun_stops_its_ranks_with_last_pt_saved(tmp_path: Path, m
     step = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
     assert step >= 2, text[-3000:]
     assert text.count(f"mtx: training stopped by SIGTERM at step {step}; checkpoint saved.") == 1, text[-3000:]
-    assert mtx("train", "--run-dir", str(run_dir), "--resume", "--set", f"train.max_steps={step + 1}").returncode == 0
+    resume = ["train", "--run-dir", str(run_dir), "--resume", "--set", f"train.max_steps={step + 1}"]
+    assert main_in_process(resume, None, monkeypatch).returncode == 0
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's ranks through /proc")

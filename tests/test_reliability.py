@@ -43,8 +43,8 @@ from mtx.data import ParallelIds, epoch_length, read_lines
 from mtx.errors import MtxError, command_line, memory_advice, own_command
 from mtx.tokenizer import train_bpe
 
-from .conftest import REPO, TINY_CONFIG, main_in_process, tiny_args
-from .test_cli import assert_one_line_error, mtx, mtx_here
+from .conftest import REPO, TINY_CONFIG, main_in_process, script_in_process, tiny_args
+from .test_cli import assert_one_line_error, mtx_here
 
 
 def mini_args(data_dir: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -708,7 +708,7 @@ def test_full_disks_read_only_disks_and_unreadable_files_are_named_in_one_line(
 
 
 def test_a_second_training_on_a_run_directory_in_use_is_refused(
-    tmp_path: Path, mini_data: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, mini_data: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """stop 54: a second start took a live start, still setting up, for a dead one and deleted its
     config and tokenizer; both then wrote the same checkpoints and metrics.jsonl."""
@@ -741,10 +741,9 @@ def test_a_second_training_on_a_run_directory_in_use_is_refused(
         )
         # nor choose_on_val --apply, refused before it decodes (stop 65: after scoring every candidate)
         script = REPO / "scripts" / "choose_on_val.py"
-        apply = [sys.executable, str(script), "--run", str(run), "--apply"]
-        chosen = subprocess.run(apply, capture_output=True, text=True, check=False)
-        assert chosen.returncode == 1 and chosen.stdout == "", chosen.stdout
-        assert chosen.stderr.strip().splitlines() == [
+        code, out, err = script_in_process(script, ["--run", str(run), "--apply"], monkeypatch, capsys)
+        assert code == 1 and out == "", out
+        assert err.strip().splitlines() == [
             f"choose_on_val: error: {run}: another mtx command is using this run directory (process {first.pid}: "
             "mtx train, average --as-best or choose_on_val --apply); best.pt can be changed once it has ended"
         ]
@@ -1254,7 +1253,9 @@ class _RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_malicious_checkpoints_are_refused_without_running_code(tmp_path: Path, tiny_run: Path) -> None:
+def test_malicious_checkpoints_are_refused_without_running_code(
+    tmp_path: Path, tiny_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     marker = tmp_path / "pwned"
     good = load_weights_only(tiny_run / "checkpoints" / "last.pt")
     zip_evil = tmp_path / "evil.pt"
@@ -1262,14 +1263,14 @@ def test_malicious_checkpoints_are_refused_without_running_code(tmp_path: Path, 
     raw_evil = tmp_path / "evil_raw.pt"
     raw_evil.write_bytes(pickle.dumps({"format_version": FORMAT_VERSION, "model": _RunsCode(marker)}, protocol=2))
 
-    r = mtx("translate", "--run", str(tiny_run), "--checkpoint", str(zip_evil), "Ein Hund.")
+    r = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--checkpoint", str(zip_evil), "Ein Hund.")
     assert_one_line_error(r, "evil.pt", "refused to load", "posix.system")
-    r = mtx("translate", "--run", str(tiny_run), "--checkpoint", str(raw_evil), "Ein Hund.")
+    r = mtx_here(monkeypatch, "translate", "--run", str(tiny_run), "--checkpoint", str(raw_evil), "Ein Hund.")
     assert_one_line_error(r, "evil_raw.pt", "refused to load")
     run_copy = copy_run(tiny_run, tmp_path / "run")
     shutil.copy(zip_evil, run_copy / "checkpoints" / "last.pt")
     before = snapshot(run_copy)
-    assert_one_line_error(mtx("train", "--run-dir", str(run_copy), "--resume"), "refused to load")
+    assert_one_line_error(mtx_here(monkeypatch, "train", "--run-dir", str(run_copy), "--resume"), "refused to load")
     assert snapshot(run_copy) == before
     assert not marker.exists()
 
@@ -1277,15 +1278,20 @@ def test_malicious_checkpoints_are_refused_without_running_code(tmp_path: Path, 
     assert marker.exists()
 
 
-def test_yaml_tags_that_would_run_code_are_rejected(tmp_path: Path, small_data: Path) -> None:
+def test_yaml_tags_that_would_run_code_are_rejected(
+    tmp_path: Path, small_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     marker = tmp_path / "pwned"
     config = tmp_path / "evil.yaml"
     config.write_text(f'train:\n  max_steps: !!python/object/apply:os.system ["touch {marker}"]\n')
-    assert_one_line_error(mtx("train", "--config", str(config)), "evil.yaml", "python/object/apply:os.system")
-    r = mtx(
+    assert_one_line_error(
+        mtx_here(monkeypatch, "train", "--config", str(config)), "evil.yaml", "python/object/apply:os.system"
+    )
+    r = mtx_here(
+        monkeypatch,
         *tiny_args(
             small_data, tmp_path / "r", "--set", f'train.max_steps=!!python/object/apply:os.system ["touch {marker}"]'
-        )
+        ),
     )
     assert_one_line_error(r, "train.max_steps must be an integer")
     assert not marker.exists() and not (tmp_path / "r").exists()
