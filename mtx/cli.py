@@ -989,28 +989,29 @@ def _bootstrap_and_paired(args: argparse.Namespace, data: _EvalSet) -> tuple[int
     """The bootstrap resamples and the other systems' outputs (--paired: name, lines), checked before decoding."""
     from mtx.data import read_lines, warn_of_invisible_ends
     from mtx.evaluate import (
-        BYTES_PER_RESAMPLED,
-        MAX_RESAMPLED,
+        MAX_RESAMPLING_BYTES,
         MIN_BOOTSTRAP,
         PAIRED_SAMPLES,
+        most_resampled_sentences,
+        most_resamples,
+        resampling_bytes,
         resampling_seed_problem,
     )
 
     samples = args.bootstrap or (PAIRED_SAMPLES if args.paired else 0)
     if samples and (problem := resampling_seed_problem()):  # before decoding (stop 68's probe: after it)
         raise MtxError(problem)
-    if samples * len(data.src) > MAX_RESAMPLED:  # before decoding; sacreBLEU would run out of memory after it
-        most = MAX_RESAMPLED // len(data.src)
+    if samples and (need := resampling_bytes(samples, len(data.src))) > MAX_RESAMPLING_BYTES:  # before decoding
+        most = most_resamples(len(data.src))
         # (stop 68's probe: past 250,000 sentences it advised a count below the least one allowed)
         fix = (
             f"pass --bootstrap {most} or fewer"
             if most >= MIN_BOOTSTRAP
-            else f"they take at most {MAX_RESAMPLED // MIN_BOOTSTRAP:,} sentences; score a sample of the lines"
+            else f"they take at most {most_resampled_sentences():,} sentences; score a sample of the lines"
         )
         paired = "" if args.bootstrap else " (--paired's test)"
         raise MtxError(
-            f"{samples} bootstrap resamples{paired} of {len(data.src)} sentences take "
-            f"{samples * len(data.src) * BYTES_PER_RESAMPLED / 2**30:.1f} GiB in sacreBLEU; {fix}"
+            f"{samples} bootstrap resamples{paired} of {len(data.src)} sentences take {need / 2**30:.1f} GiB; {fix}"
         )
     # the other systems' outputs, read and counted before decoding: a wrong file fails at once
     others = [(str(path), read_lines(path, allow_empty=True, as_scored=True)) for path in args.paired]

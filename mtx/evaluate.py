@@ -12,21 +12,42 @@ sentences: how often the observed difference would arise by chance.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import statistics
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
-from sacrebleu.significance import PairedTest
+from sacrebleu.significance import _compute_p_value
 from sacrebleu.utils import sum_of_lists
 
 MIN_BOOTSTRAP = 100  # fewer resamples give intervals too rough to print
 PAIRED_SAMPLES = 1000  # resamples of a paired test when none are asked for (sacreBLEU's default)
-# sacreBLEU resamples all at once: per resampled sentence an int64 index and the sentence's
-# statistics as float32 (chrF's 18), 80 bytes; measured with tracemalloc on val at 1,000 and 4,000
-# resamples: 81-83 bytes, for corpus_scores and paired_tests alike (stop 53)
-BYTES_PER_RESAMPLED = 84
-MAX_RESAMPLED = 25_000_000  # most resampled sentences (resamples x sentences): about 2 GiB
+# What resampling holds (since stop 75 mtx resamples sacreBLEU's statistics itself, a resample at a
+# time): each resampled sentence's int64 index, and each sentence's statistics (both systems' with
+# --paired, as lists and float32 arrays) beside the n-gram counts of one chunk of references.
+# Measured (peak resident size): 25,000 sentences x 1,000 resamples 0.38-0.41 GB, x 4,000 0.99 GB
+# (7.8 bytes a resampled sentence); 250,000 sentences x 100 paired 0.72 GB. sacreBLEU's own took
+# 80 bytes a resampled sentence, all at once (2.29-2.30 GB at 25,000 x 1,000; stop 53: tracemalloc)
+BYTES_PER_RESAMPLED = 10
+BYTES_PER_SENTENCE = 2_000
+MAX_RESAMPLING_BYTES = 2 * 2**30  # the most eval's resampling may take
+
+
+def resampling_bytes(samples: int, sentences: int) -> int:
+    """About how much memory `samples` resamples of `sentences` sentences take (bootstrap or paired)."""
+    return sentences * (samples * BYTES_PER_RESAMPLED + BYTES_PER_SENTENCE)
+
+
+def most_resamples(sentences: int) -> int:
+    """The most resamples of `sentences` sentences within `MAX_RESAMPLING_BYTES`."""
+    return max(0, (MAX_RESAMPLING_BYTES // sentences - BYTES_PER_SENTENCE) // BYTES_PER_RESAMPLED)
+
+
+def most_resampled_sentences() -> int:
+    """The most sentences that `MIN_BOOTSTRAP` resamples may take within `MAX_RESAMPLING_BYTES`."""
+    return MAX_RESAMPLING_BYTES // (MIN_BOOTSTRAP * BYTES_PER_RESAMPLED + BYTES_PER_SENTENCE)
 
 
 @dataclass(frozen=True)
@@ -76,22 +97,70 @@ def _metrics(lowercase: bool = False) -> tuple[BLEU, CHRF]:
     return BLEU(tokenize="13a", lowercase=lowercase), CHRF()
 
 
-# sentences scored at a time without resampling: sacreBLEU holds each sentence's statistics and
-# its reference's n-grams until the corpus is scored, about 22 KB a sentence (stop 68's probe: an
-# eval of 290,000 sentences peaked at 7.9 GB, 6.3 GB of it scoring)
+# sentences scored at a time: sacreBLEU holds each sentence's reference n-grams until the corpus is
+# scored, about 22 KB a sentence (stop 68's probe: an eval of 290,000 sentences peaked at 7.9 GB,
+# 6.3 GB of it scoring); a chunk's statistics, whole numbers, are kept (summed where nothing is
+# resampled) and its n-grams freed before the next chunk is read
 SCORE_CHUNK = 10_000
+
+
+def _chunks(hypotheses: Sequence[str], references: Sequence[str]) -> Iterator[tuple[list[str], list[list[str]]]]:
+    for start in range(0, len(hypotheses), SCORE_CHUNK):
+        chunk = slice(start, start + SCORE_CHUNK)
+        yield list(hypotheses[chunk]), [list(references[chunk])]
+
+
+def _sentence_statistics(metric: BLEU | CHRF, hypotheses: Sequence[str], references: Sequence[str]) -> list[Any]:
+    """`metric`'s statistics of each sentence, as `metric._extract_corpus_statistics` of the whole
+    gives them (one sentence's never depend on another's), read `SCORE_CHUNK` sentences at a time."""
+    return [
+        stats
+        for hyps, refs in _chunks(hypotheses, references)
+        for stats in metric._extract_corpus_statistics(hyps, refs)
+    ]
 
 
 def _score_in_chunks(metric: BLEU | CHRF, hypotheses: Sequence[str], references: Sequence[str]) -> Any:
     """`metric.corpus_score` of the whole, from the statistics of `SCORE_CHUNK` sentences at a
     time, each chunk's summed before the next is read: the same sums of whole numbers, so the
     same score and signature (tests/test_evaluate.py), in memory of one chunk."""
-    totals = []
-    for start in range(0, len(hypotheses), SCORE_CHUNK):
-        chunk = slice(start, start + SCORE_CHUNK)
-        stats = metric._extract_corpus_statistics(list(hypotheses[chunk]), [list(references[chunk])])
-        totals.append(sum_of_lists(stats))
+    totals = [
+        sum_of_lists(metric._extract_corpus_statistics(hyps, refs)) for hyps, refs in _chunks(hypotheses, references)
+    ]
     return metric._aggregate_and_compute(totals)
+
+
+def _resampling_seed() -> int | None:
+    """sacreBLEU's seed for resampling: `$SACREBLEU_SEED` (checked by `resampling_seed_problem`),
+    12345 where it is unset, None (the OS's entropy) where it is `none`, as sacreBLEU reads it."""
+    seed = os.environ.get("SACREBLEU_SEED", "12345")
+    return None if seed.lower() == "none" else int(seed)
+
+
+def _resampled_scores(metric: BLEU | CHRF, stats: np.ndarray, indices: np.ndarray) -> Iterator[Any]:
+    """`metric`'s score of each resample (a row of `indices` into the sentences' `stats`, float32),
+    as sacreBLEU computes them: the same sums of the same float32 rows, taken one resample at a time
+    instead of from one (resamples x sentences x statistics) array (80 bytes a resampled sentence)."""
+    for rows in indices:
+        yield metric._compute_score_from_stats(stats[rows].sum(0))
+
+
+def _bootstrap_score(metric: BLEU | CHRF, hypotheses: Sequence[str], references: Sequence[str], n: int) -> Any:
+    """`metric.corpus_score(..., n_bootstrap=n)`: the score and sacreBLEU's resampled mean and 95%
+    interval (its seeded draws of the sentences, and the seed in the signature), with the
+    statistics read in chunks (`_sentence_statistics`) and each resample summed on its own."""
+    stats = _sentence_statistics(metric, hypotheses, references)
+    score = metric._aggregate_and_compute(stats)
+    seed = _resampling_seed()
+    indices = np.random.default_rng(seed).choice(len(stats), size=(n, len(stats)), replace=True)
+    # sacreBLEU's `Score.estimate_ci` (the 2.5th and 97.5th percentiles' half-distance, the mean) of
+    # the resampled scores alone, without a Score object of each resample held at once
+    resampled = sorted(s.score for s in _resampled_scores(metric, np.array(stats, dtype="float32"), indices))
+    low = len(resampled) // 40
+    score._ci = 0.5 * (resampled[len(resampled) - low - 1] - resampled[low])
+    score._mean = statistics.mean(resampled)
+    metric.n_bootstrap, metric.seed = n, str(os.environ.get("SACREBLEU_SEED", "12345")).lower()
+    return score
 
 
 def corpus_scores(
@@ -103,11 +172,13 @@ def corpus_scores(
         raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
     bleu, chrf = _metrics(lowercase)
     n = max(bootstrap, 1)
-    if n == 1 and len(hypotheses) > SCORE_CHUNK:
+    if n > 1:
+        b, c = (_bootstrap_score(metric, hypotheses, references, n) for metric in (bleu, chrf))
+    elif len(hypotheses) > SCORE_CHUNK:
         b, c = (_score_in_chunks(metric, hypotheses, references) for metric in (bleu, chrf))
     else:
-        b = bleu.corpus_score(list(hypotheses), [list(references)], n_bootstrap=n)
-        c = chrf.corpus_score(list(hypotheses), [list(references)], n_bootstrap=n)
+        b = bleu.corpus_score(list(hypotheses), [list(references)])
+        c = chrf.corpus_score(list(hypotheses), [list(references)])
     spread: dict[str, float] = {}
     if bootstrap > 1:
         spread = {
@@ -177,44 +248,38 @@ def paired_tests(
         if len(other) != len(hypotheses):
             raise ValueError(f"{name}: {len(other)} lines for {len(hypotheses)} hypotheses")
         bleu, chrf = _metrics()
+        stats = [
+            (_sentence_statistics(metric, other, references), _sentence_statistics(metric, hypotheses, references))
+            for metric in (bleu, chrf)
+        ]
         # sentence by sentence the same statistics (identical outputs, or outputs that differ only
         # in what the metric's tokenisation drops, such as spaces): every resample differs by 0,
         # which sacreBLEU's test (MultEval's rule) scores p ~ 0; nothing to test, p = 1
-        same = [_same_statistics(metric, hypotheses, other, references) for metric in (bleu, chrf)]
+        same = [other_stats == this_stats for other_stats, this_stats in stats]
         if all(same):
             scores = corpus_scores(hypotheses, references)
             results.append(PairedResult(name, scores.bleu, scores.chrf, 0.0, 0.0, 1.0, 1.0))
             continue
-        test = PairedTest(
-            [(name, list(other)), ("this", list(hypotheses))],
-            {"BLEU": bleu, "chrF": chrf},
-            [list(references)],
-            test_type="bs",
-            n_samples=samples,
-        )
-        _, scores = test()
-        (b_other, b_this), (c_other, c_this) = scores["BLEU"], scores["chrF2"]
-        results.append(
-            PairedResult(
-                name,
-                b_other.score,
-                c_other.score,
-                b_this.score - b_other.score,
-                c_this.score - c_other.score,
-                1.0 if same[0] else b_this.p_value,
-                1.0 if same[1] else c_this.p_value,
+        # sacreBLEU's paired bootstrap test (`PairedTest(..., test_type="bs")`, the other system its
+        # baseline, the same seeded draws for both metrics), each resample summed on its own
+        draws = np.random.default_rng(_resampling_seed() or None)
+        indices = draws.choice(len(hypotheses), size=(samples, len(hypotheses)), replace=True)
+        other_scores, deltas, p_values = [], [], []
+        for metric, (other_stats, this_stats), same_stats in zip((bleu, chrf), stats, same, strict=True):
+            other_score = metric._aggregate_and_compute(other_stats).score
+            this_score = metric._aggregate_and_compute(this_stats).score
+            other_resampled, this_resampled = (
+                np.fromiter(
+                    (s.score for s in _resampled_scores(metric, np.array(sentences, dtype="float32"), indices)),
+                    dtype=float,
+                    count=samples,
+                )
+                for sentences in (other_stats, this_stats)
             )
-        )
+            differences = np.abs(this_resampled - other_resampled)
+            p = _compute_p_value(differences - differences.mean(), abs(other_score - this_score))
+            other_scores.append(other_score)
+            deltas.append(this_score - other_score)
+            p_values.append(1.0 if same_stats else p)
+        results.append(PairedResult(name, *other_scores, *deltas, *p_values))
     return results
-
-
-def _same_statistics(
-    metric: BLEU | CHRF, hypotheses: Sequence[str], other: Sequence[str], references: Sequence[str]
-) -> bool:
-    """Whether two systems' outputs give `metric` the same statistics for every sentence."""
-    if list(other) == list(hypotheses):
-        return True
-    refs = [list(references)]
-    return metric._extract_corpus_statistics(list(hypotheses), refs) == metric._extract_corpus_statistics(
-        list(other), refs
-    )

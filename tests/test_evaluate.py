@@ -6,6 +6,7 @@ import gzip
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,29 +132,43 @@ def test_eval_prints_intervals_and_paired_tests(
     assert capsys.readouterr().err == f"mtx: error: --paired {first} is given twice; give each system's output once\n"
     assert main([*args, "--bootstrap", "10"]) == 1
     assert "--bootstrap must be 0 (off) or at least 100" in capsys.readouterr().err
-    # sacreBLEU would need 6 GB for these resamples (before, found after decoding, if memory allowed)
-    assert main([*args, "--bootstrap", "400000"]) == 1
+    # resamples past 2 GiB (before, found after decoding, if memory allowed): 200 x (2,000,000 x 10 + 2,000) bytes
+    assert main([*args, "--bootstrap", "2000000"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "400000 bootstrap resamples of 200 sentences take 6.3 GiB" in err
-    assert "pass --bootstrap 125000 or fewer" in err
+    assert err.count("\n") == 1 and "2000000 bootstrap resamples of 200 sentences take 3.7 GiB" in err
+    assert "pass --bootstrap 1073541 or fewer" in err  # (2 GiB / 200 - 2,000) / 10
     # where fewer than the least resamples fit, it said to pass that fewer (stop 68's probe, at 290,000 lines)
     import mtx.evaluate
 
-    monkeypatch.setattr(mtx.evaluate, "MAX_RESAMPLED", 200 * 99)
+    monkeypatch.setattr(mtx.evaluate, "MAX_RESAMPLING_BYTES", 200 * (99 * 10 + 2_000))  # 99 resamples of 200 fit
     for option, named in (("--bootstrap", "100 bootstrap resamples of"), ("--paired", "(--paired's test) of")):
         assert main([*args, option, "100" if option == "--bootstrap" else str(first)]) == 1
         err = capsys.readouterr().err
-        assert named in err and err.strip().endswith("they take at most 198 sentences; score a sample of the lines")
+        assert named in err and err.strip().endswith("they take at most 199 sentences; score a sample of the lines")
+    monkeypatch.setattr(mtx.evaluate, "MAX_RESAMPLING_BYTES", 200 * (100 * 10 + 2_000))  # 100 fit
+    assert main([*args, "--bootstrap", "100", "--json"]) == 0
+    capsys.readouterr()
 
 
-def test_the_bootstrap_memory_guard_counts_what_sacrebleu_holds(refs: list[str]) -> None:
+def test_the_bootstrap_memory_guard_counts_what_resampling_holds(
+    refs: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """eval refuses resamples whose memory would run out after decoding; its bytes per resampled
-    sentence must cover what sacreBLEU allocates (stop 53: counted as 8, the indices alone, where
-    sacreBLEU holds about 80, so the 2 GB limit let through 20 GB)."""
+    sentence must cover what resampling allocates (stop 53: counted as 8, the indices alone, where
+    sacreBLEU held about 80, so the 2 GB limit let through 20 GB). Since stop 75 mtx resamples
+    sacreBLEU's statistics a resample at a time: the indices alone grow with the resamples."""
     import tracemalloc
 
-    hyps, other = drop_words(refs, 0.3, 0), drop_words(refs, 0.3, 1)
+    import mtx.evaluate
 
+    hyps, other = drop_words(refs, 0.3, 0), drop_words(refs, 0.3, 1)
+    resampled = mtx.evaluate._resampled_scores
+
+    def measured(*args: Any) -> Any:
+        tracemalloc.reset_peak()  # from here: what resampling holds (the references' n-grams are freed)
+        return resampled(*args)
+
+    monkeypatch.setattr(mtx.evaluate, "_resampled_scores", measured)
     # sacreBLEU's tokenizers keep the last 65,536 sentences they split (an LRU cache): where earlier
     # tests' scoring had pushed these out, the first measured call also counted their entries
     # (stop 61: 96 bytes a sentence after the whole of test_cli.py, 80 alone)
@@ -170,9 +185,10 @@ def test_the_bootstrap_memory_guard_counts_what_sacrebleu_holds(refs: list[str])
         finally:
             tracemalloc.stop()
 
-    for paired in (False, True):  # bytes per resampled sentence: the growth from 200 to 600 resamples
-        per_sentence = (peak(600, paired) - peak(200, paired)) / (400 * len(refs))
-        assert 40 < per_sentence <= BYTES_PER_RESAMPLED
+    for paired in (False, True):  # bytes per resampled sentence: the growth from 1,000 to 3,000 resamples
+        fewer = peak(1_000, paired)  # (a run's peak moves by some 0.3 MB: 4.8 MB of growth measures it)
+        per_sentence = (peak(3_000, paired) - fewer) / (2_000 * len(refs))
+        assert 6 < per_sentence <= BYTES_PER_RESAMPLED, (paired, per_sentence)  # the indices: 8
 
 
 def test_references_are_scored_as_sacrebleu_reads_them(
@@ -237,19 +253,27 @@ def test_a_resampling_seed_that_sacrebleu_misreads_is_refused_before_decoding(
 # -- stop 69's second mutation probe: behaviour no test pinned ------------------------------------
 
 
-def test_each_scores_interval_is_sacrebleus_own_for_that_metric(refs: list[str]) -> None:
+@pytest.mark.parametrize("chunk", [10_000, 7])
+def test_each_scores_interval_is_sacrebleus_own_for_that_metric(
+    refs: list[str], chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The printed 95% intervals are sacreBLEU's, each metric's own (BLEU's and chrF's differ:
-    a mix-up still satisfies 0 < ci < 10 and |mean - score| < ci)."""
+    a mix-up still satisfies 0 < ci < 10 and |mean - score| < ci), to the last digit, with the
+    signature's seed and resamples, whether the statistics are read whole or a chunk at a time
+    (since stop 75 mtx resamples sacreBLEU's statistics itself, one resample at a time)."""
     from sacrebleu.metrics import BLEU, CHRF
 
-    from mtx.evaluate import corpus_scores
+    import mtx.evaluate
 
+    monkeypatch.setattr(mtx.evaluate, "SCORE_CHUNK", chunk)  # 7: 300 sentences in 43 chunks
     hyps = drop_words(refs, 0.3, 0)
     got = corpus_scores(hyps, refs, bootstrap=200)
-    b = BLEU(tokenize="13a").corpus_score(hyps, [refs], n_bootstrap=200)
-    c = CHRF().corpus_score(hyps, [refs], n_bootstrap=200)
+    bleu, chrf = BLEU(tokenize="13a"), CHRF()
+    b, c = bleu.corpus_score(hyps, [refs], n_bootstrap=200), chrf.corpus_score(hyps, [refs], n_bootstrap=200)
     assert abs(b._ci - c._ci) > 0.05  # the two intervals can be told apart
-    assert (got.bleu_mean, got.bleu_ci, got.chrf_mean, got.chrf_ci) == pytest.approx((b._mean, b._ci, c._mean, c._ci))
+    assert (got.bleu_mean, got.bleu_ci, got.chrf_mean, got.chrf_ci) == (b._mean, b._ci, c._mean, c._ci)
+    assert (got.bleu, got.chrf) == (b.score, c.score)
+    assert (got.bleu_signature, got.chrf_signature) == (str(bleu.get_signature()), str(chrf.get_signature()))
 
 
 def _sacrebleus_paired_test(this: list[str], other: list[str], refs: list[str]) -> dict:
@@ -263,11 +287,16 @@ def _sacrebleus_paired_test(this: list[str], other: list[str], refs: list[str]) 
     return test()[1]
 
 
-def test_each_paired_p_value_is_sacrebleus_own_for_that_metric(refs: list[str]) -> None:
-    """The paired test's p-values are sacreBLEU's paired bootstrap of each metric: where BLEU's
-    difference is not significant and chrF's is, they differ."""
-    from mtx.evaluate import paired_tests
+@pytest.mark.parametrize("chunk", [10_000, 7])
+def test_each_paired_p_value_is_sacrebleus_own_for_that_metric(
+    refs: list[str], chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The paired test's p-values are sacreBLEU's paired bootstrap of each metric (to the last
+    digit, its statistics read whole or a chunk at a time): where BLEU's difference is not
+    significant and chrF's is, they differ."""
+    import mtx.evaluate
 
+    monkeypatch.setattr(mtx.evaluate, "SCORE_CHUNK", chunk)
     good = drop_words(refs, 0.1, 1)
     # the other system: the same words, some misspelt by one letter (chrF sees the letters right)
     rng = random.Random(5)
@@ -275,9 +304,9 @@ def test_each_paired_p_value_is_sacrebleus_own_for_that_metric(refs: list[str]) 
     (result,) = paired_tests(good, [("other", other)], refs, 300)
     scores = _sacrebleus_paired_test(good, other, refs)
     (b_other, b_this), (c_other, c_this) = scores["BLEU"], scores["chrF2"]
-    assert result.bleu_p == pytest.approx(b_this.p_value) and result.chrf_p == pytest.approx(c_this.p_value)
-    assert result.bleu_delta == pytest.approx(b_this.score - b_other.score)
-    assert result.chrf_delta == pytest.approx(c_this.score - c_other.score)
+    assert (result.bleu_p, result.chrf_p) == (b_this.p_value, c_this.p_value)
+    assert (result.bleu, result.chrf) == (b_other.score, c_other.score)
+    assert (result.bleu_delta, result.chrf_delta) == (b_this.score - b_other.score, c_this.score - c_other.score)
     assert result.bleu_p != result.chrf_p  # the test tells them apart
     # --json prints them to 4 places (0.0066 is not 0.01), the scores to 2
     printed = result.as_dict()
