@@ -243,22 +243,27 @@ def paired_tests(
 ) -> list[PairedResult]:
     """sacreBLEU's paired bootstrap test (`samples` resamples, seeded) of `hypotheses` against each
     named other system's output, cased BLEU (13a) and chrF."""
-    results = []
     for name, other in others:
         if len(other) != len(hypotheses):
             raise ValueError(f"{name}: {len(other)} lines for {len(hypotheses)} hypotheses")
-        bleu, chrf = _metrics()
+    results: list[PairedResult] = []
+    if not others:
+        return results
+    bleu, chrf = _metrics()
+    # this system's statistics, read once for all the others (sacreBLEU's test reads them again for each)
+    mine = [_sentence_statistics(metric, hypotheses, references) for metric in (bleu, chrf)]
+    for name, other in others:
         stats = [
-            (_sentence_statistics(metric, other, references), _sentence_statistics(metric, hypotheses, references))
-            for metric in (bleu, chrf)
+            (_sentence_statistics(metric, other, references), ours)
+            for metric, ours in zip((bleu, chrf), mine, strict=True)
         ]
         # sentence by sentence the same statistics (identical outputs, or outputs that differ only
         # in what the metric's tokenisation drops, such as spaces): every resample differs by 0,
         # which sacreBLEU's test (MultEval's rule) scores p ~ 0; nothing to test, p = 1
         same = [other_stats == this_stats for other_stats, this_stats in stats]
         if all(same):
-            scores = corpus_scores(hypotheses, references)
-            results.append(PairedResult(name, scores.bleu, scores.chrf, 0.0, 0.0, 1.0, 1.0))
+            b, c = (metric._aggregate_and_compute(ours).score for metric, ours in zip((bleu, chrf), mine, strict=True))
+            results.append(PairedResult(name, b, c, 0.0, 0.0, 1.0, 1.0))
             continue
         # sacreBLEU's paired bootstrap test (`PairedTest(..., test_type="bs")`, the other system its
         # baseline, the same seeded draws for both metrics), each resample summed on its own

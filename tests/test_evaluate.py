@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from mtx.cli import main
-from mtx.evaluate import BYTES_PER_RESAMPLED, corpus_scores, paired_tests
+from mtx.evaluate import BYTES_PER_RESAMPLED, PairedResult, corpus_scores, paired_tests
 
 
 @pytest.fixture(scope="module")
@@ -308,6 +308,12 @@ def test_each_paired_p_value_is_sacrebleus_own_for_that_metric(
     assert (result.bleu, result.chrf) == (b_other.score, c_other.score)
     assert (result.bleu_delta, result.chrf_delta) == (b_this.score - b_other.score, c_this.score - c_other.score)
     assert result.bleu_p != result.chrf_p  # the test tells them apart
+    # against several systems at once (this one's statistics read once): each as against it alone
+    assert paired_tests(good, [("refs", refs), ("other", other), ("same", good)], refs, 300) == [
+        *paired_tests(good, [("refs", refs)], refs, 300),
+        result,
+        PairedResult("same", (own := corpus_scores(good, refs)).bleu, own.chrf, 0.0, 0.0, 1.0, 1.0),
+    ]
     # --json prints them to 4 places (0.0066 is not 0.01), the scores to 2
     printed = result.as_dict()
     assert printed["bleu_p"] == round(result.bleu_p, 4) and printed["chrf_p"] == round(result.chrf_p, 4)
