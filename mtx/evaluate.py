@@ -137,12 +137,13 @@ def _resampling_seed() -> int | None:
     return None if seed.lower() == "none" else int(seed)
 
 
-def _resampled_scores(metric: BLEU | CHRF, stats: np.ndarray, indices: np.ndarray) -> Iterator[Any]:
-    """`metric`'s score of each resample (a row of `indices` into the sentences' `stats`, float32),
-    as sacreBLEU computes them: the same sums of the same float32 rows, taken one resample at a time
+def _resampled_scores(metric: BLEU | CHRF, stats: list[Any], indices: np.ndarray) -> Iterator[Any]:
+    """`metric`'s score of each resample (a row of `indices` into the sentences' `stats`), as
+    sacreBLEU computes them: the same sums of the same float32 rows, taken one resample at a time
     instead of from one (resamples x sentences x statistics) array (80 bytes a resampled sentence)."""
+    table = np.array(stats, dtype="float32")
     for rows in indices:
-        yield metric._compute_score_from_stats(stats[rows].sum(0))
+        yield metric._compute_score_from_stats(table[rows].sum(0))
 
 
 def _bootstrap_score(metric: BLEU | CHRF, hypotheses: Sequence[str], references: Sequence[str], n: int) -> Any:
@@ -155,7 +156,7 @@ def _bootstrap_score(metric: BLEU | CHRF, hypotheses: Sequence[str], references:
     indices = np.random.default_rng(seed).choice(len(stats), size=(n, len(stats)), replace=True)
     # sacreBLEU's `Score.estimate_ci` (the 2.5th and 97.5th percentiles' half-distance, the mean) of
     # the resampled scores alone, without a Score object of each resample held at once
-    resampled = sorted(s.score for s in _resampled_scores(metric, np.array(stats, dtype="float32"), indices))
+    resampled = sorted(s.score for s in _resampled_scores(metric, stats, indices))
     low = len(resampled) // 40
     score._ci = 0.5 * (resampled[len(resampled) - low - 1] - resampled[low])
     score._mean = statistics.mean(resampled)
@@ -171,14 +172,10 @@ def corpus_scores(
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
     bleu, chrf = _metrics(lowercase)
-    n = max(bootstrap, 1)
-    if n > 1:
-        b, c = (_bootstrap_score(metric, hypotheses, references, n) for metric in (bleu, chrf))
-    elif len(hypotheses) > SCORE_CHUNK:
+    if bootstrap > 1:
+        b, c = (_bootstrap_score(metric, hypotheses, references, bootstrap) for metric in (bleu, chrf))
+    else:  # (one chunk: `corpus_score`'s own sums)
         b, c = (_score_in_chunks(metric, hypotheses, references) for metric in (bleu, chrf))
-    else:
-        b = bleu.corpus_score(list(hypotheses), [list(references)])
-        c = chrf.corpus_score(list(hypotheses), [list(references)])
     spread: dict[str, float] = {}
     if bootstrap > 1:
         spread = {
@@ -275,7 +272,7 @@ def paired_tests(
             this_score = metric._aggregate_and_compute(this_stats).score
             other_resampled, this_resampled = (
                 np.fromiter(
-                    (s.score for s in _resampled_scores(metric, np.array(sentences, dtype="float32"), indices)),
+                    (s.score for s in _resampled_scores(metric, sentences, indices)),
                     dtype=float,
                     count=samples,
                 )
