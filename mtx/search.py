@@ -7,10 +7,11 @@ what its longest output costs only for the sentences still running. Both take a 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
@@ -441,14 +442,8 @@ def translate_ids(
         return hyps
 
     batches = _decode_batches([len(src_ids[i]) + 1 for i in todo], batch_tokens)
-    try:
+    with _out_of_memory_as(f"decoding on {device} in batches of {batch_tokens} source tokens with beam {beam}", device):
         decoded = in_workers(decode, batches, workers, device, model)
-    except RuntimeError as e:  # (stop 63: a 20-line traceback, with no word on what to lower)
-        if not out_of_memory(e):
-            raise
-        where = f"out of memory decoding on {device} in batches of {batch_tokens} source tokens with beam {beam}"
-        advice = memory_advice("lower --batch-tokens (decode.batch_tokens)", device)
-        raise DecodeOutOfMemory(f"{where}; {advice}", where) from None
     for batch, hyps in zip(batches, decoded, strict=True):
         for j, h in zip(batch, hyps, strict=True):
             results[todo[j]] = h
@@ -472,18 +467,12 @@ def forced_log_probs(
     model.eval()
     sums = [0.0] * len(src_ids)
     lengths = [max(len(s), len(t)) + 1 for s, t in zip(src_ids, tgt_ids, strict=True)]
-    try:
+    with _out_of_memory_as(f"scoring on {device} in batches of {batch_tokens} tokens", device):
         for batch in _decode_batches(lengths, batch_tokens):
             for i, total in zip(batch, _forced_sums(model, src_ids, tgt_ids, batch, device), strict=True):
                 sums[i] = total
             if progress is not None:
                 progress(len(batch))
-    except RuntimeError as e:
-        if not out_of_memory(e):
-            raise
-        where = f"out of memory scoring on {device} in batches of {batch_tokens} tokens"
-        advice = memory_advice("lower --batch-tokens (decode.batch_tokens)", device)
-        raise DecodeOutOfMemory(f"{where}; {advice}", where) from None
     return sums
 
 
@@ -505,6 +494,20 @@ def _forced_sums(
         log_probs[..., : model.unemitted_columns] = float("-inf")
     picked = log_probs.gather(-1, model.output_columns(tgt_out)[..., None]).squeeze(-1)
     return picked.masked_fill(tgt_out == PAD, 0.0).sum(dim=1).tolist()
+
+
+@contextlib.contextmanager
+def _out_of_memory_as(doing: str, device: torch.device) -> Iterator[None]:
+    """Running out of memory inside is `DecodeOutOfMemory`: "out of memory DOING" and what to lower
+    (stop 63: a 20-line traceback, with no word on what to lower)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        where = f"out of memory {doing}"
+        advice = memory_advice("lower --batch-tokens (decode.batch_tokens)", device)
+        raise DecodeOutOfMemory(f"{where}; {advice}", where) from None
 
 
 class DecodeOutOfMemory(MtxError):
