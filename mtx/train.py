@@ -1,6 +1,7 @@
 """Training: the LR schedule, the loop, validation, checkpoints (the loss: loss.py; the device
 and precision: device.py; the run directory's checks: rundir.py; train.log, metrics.jsonl and the
-progress bar: runlog.py).
+progress bar: runlog.py; the stop signals and the loop's clock: clock.py; the loop's position, the
+random states and the moving average of the weights: state.py).
 
 `fit` owns the loop; everything it needs to continue exactly where it stopped (model,
 optimizer, scaler, RNG states, step, epoch and batch position) goes into `last.pt`.
@@ -19,17 +20,14 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import ExitStack, nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from time import monotonic as _monotonic
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mtx import checkpoint as ckpt_io
 from mtx import device as devices
 from mtx import punctuation
+from mtx.clock import PauseClock, StopRequest
 from mtx.collective import Collective
 from mtx.config import Config, TrainConfig, config_text, to_dict
 from mtx.data import (
@@ -73,7 +72,6 @@ from mtx.device import (
     start_process_group,
 )
 from mtx.errors import (
-    STOP_SIGNALS,
     CheckpointError,
     ConfigError,
     DataError,
@@ -84,7 +82,6 @@ from mtx.errors import (
     named_os_errors,
     out_of_memory,
     own_command,
-    take_signals,
     torchrun_command,
 )
 from mtx.evaluate import corpus_scores
@@ -111,6 +108,7 @@ from mtx.rundir import (
 )
 from mtx.runlog import HeldWarnings, RunLog, UntilReaderGone, append_record, progress_bar
 from mtx.search import DecodeOutOfMemory, translate, translate_ids
+from mtx.state import MovingAverage, TrainState, rank_seed, rng_state, seed_everything, set_rng_state
 from mtx.tokenizer import BPE, UNK, load_run_tokenizers, train_or_load
 
 if TYPE_CHECKING:
@@ -191,187 +189,6 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, **common)
-
-
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer updates done
-    epoch: int = 0
-    batch: int = 0  # batches of `epoch` consumed (by each rank)
-    world_size: int = 1  # ranks that `batch` counts for
-    best_bleu: float = -1.0
-    best_step: int = 0
-    evals_without_gain: int = 0  # validations on the train.eval_every cadence since patience_best_bleu rose
-    # the best val BLEU of those validations: patience counts them alone, so a run ending between
-    # them (max_steps, max_minutes, a signal) and resumed decides as a straight run (stop 62)
-    patience_best_bleu: float = -1.0
-    skipped_steps: int = 0
-    bad_steps_in_row: int = 0
-    elapsed: float = 0.0  # training seconds over all sessions
-    both_ways_epochs: int = 0  # the first epochs, trained on every pair both ways (train.bidirectional)
-    diversified_epoch: int = -1  # the first epoch that adds the model's translations of train (train.diversify)
-    extra_source_epochs: int = 0  # the first epochs, with data.extra_src_langs' pairs added (train.extra_sources)
-    validated_step: int = -1  # the last step validated (a checkpoint from before stop 54: from metrics.jsonl)
-    # the log window open at the save (steps since the last train record, their loss and target
-    # tokens, its training seconds): a resume mid-window logs the window a straight run logs
-    window_steps: int = 0
-    window_loss: float = 0.0
-    window_tokens: int = 0
-    window_seconds: float = 0.0
-
-
-def _rng_state() -> dict[str, Any]:
-    """Python, numpy and torch (CPU, CUDA) generator states, in types a weights-only load accepts."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        # the states of the devices this machine has: a run saved where torch saw more GPUs (a
-        # shared server, a torchrun job on 4) resumes where it sees fewer (stop 63: IndexError)
-        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state, index)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def rank_seed(seed: int, rank: int, step: int) -> int:
-    """Torch seed for the dropout of rank > 0, distinct per (seed, rank, step); rank 0 keeps `seed`."""
-    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
-
-
-class MovingAverage:
-    """Exponential moving average of a model's weights (Polyak averaging), a smoother alternative
-    to averaging step checkpoints: after every applied update, avg <- d * avg + (1 - d) * w with
-    d = min(decay, (1 + n) / (10 + n)) at the n-th update, so the random initial weights fade fast.
-    Tied weights are averaged once; buffers are the model's own."""
-
-    def __init__(self, model: torch.nn.Module, decay: float) -> None:
-        self.model = model
-        self.decay = decay
-        self.updates = 0
-        self.params = list(model.parameters())
-        self.averages = [p.detach().clone() for p in self.params]
-
-    @torch.no_grad()
-    def update(self) -> None:
-        self.updates += 1
-        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        torch._foreach_lerp_(self.averages, self.params, 1.0 - d)
-
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """The model's state_dict with every parameter replaced by its average."""
-        average_of = {p.data_ptr(): a for p, a in zip(self.params, self.averages, strict=True)}
-        return {k: average_of.get(v.data_ptr(), v) for k, v in self.model.state_dict().items()}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"decay": self.decay, "updates": self.updates, "averages": self.averages}
-
-    def load(self, saved: dict[str, Any]) -> None:
-        averages = saved["averages"]
-        shapes = [tuple(a.shape) for a in averages]
-        if shapes != [tuple(p.shape) for p in self.params]:
-            raise ValueError("the saved moving average does not match the model's parameters")
-        self.updates = int(saved["updates"])
-        self.averages = [a.to(p.device, p.dtype) for a, p in zip(averages, self.params, strict=True)]
-
-
-class StopRequest:
-    """SIGINT, SIGTERM and SIGHUP set a flag; the loop saves a checkpoint at the next step boundary.
-
-    A second signal, or the first while `at_once` is set (setting up, before anything could be
-    saved), stops at once (KeyboardInterrupt). `announce=False` keeps the "received" line to itself
-    (torchrun's ranks other than 0: rank 0 speaks for the job)."""
-
-    def __init__(self, announce: bool = True) -> None:
-        self.signal: int | None = None
-        self.second: int | None = None  # a second signal, which stopped at once
-        self.announce = announce
-        self.at_once = False  # True: the first signal stops at once too (KeyboardInterrupt)
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            self._old = take_signals(self._handle, (signal.SIGINT, *STOP_SIGNALS))
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signal is not None:  # a second Ctrl-C: stop now
-            self.second = signum
-            raise KeyboardInterrupt
-        self.signal = signum
-        if self.at_once:  # setting up: nothing to save yet
-            raise KeyboardInterrupt
-        if self.announce:
-            log.warning("received %s: saving a checkpoint and stopping", signal.Signals(signum).name)
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-class PauseClock:
-    """Training's clock: `time.perf_counter()` less the time the process was stopped (Ctrl-Z,
-    `kill -STOP`), which train.max_minutes, elapsed_s and tokens/s do not count (stop 68's probe:
-    a run stopped for 40 s of a 30 s budget trained 167 steps where 553 were its due, its linear
-    rate ended at 73% of the peak, and the window with the stop logged 31 tgt tok/s). While it
-    runs, a thread wakes every `TICK` s: a wake more than `GAP` s late means that the whole process
-    was stopped (a stop shorter than that counts; a suspended machine's time perf_counter already
-    leaves out). `GAP` is long beside what a call that holds the GIL keeps the thread waiting. Its
-    stops are timed on `time.monotonic` (the clock of `perf_counter` on Linux), read once at
-    import, which a test's stand-in for `perf_counter` leaves as it is."""
-
-    TICK, GAP = 0.05, 5.0
-
-    def __init__(self) -> None:
-        self.paused = 0.0
-        self.last = _monotonic()  # the thread's last wake
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> PauseClock:
-        self.last = _monotonic()
-        self._done.clear()
-        self._thread = threading.Thread(target=self._watch, name="mtx-pause-clock", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def _watch(self) -> None:
-        while not self._done.wait(self.TICK):
-            with self._lock:
-                now = _monotonic()
-                if now - self.last > self.GAP:
-                    self.paused += now - self.last - self.TICK
-                self.last = now
-
-    def now(self) -> float:
-        """Seconds of a clock that stood still while the process was stopped (a stop the thread has
-        not woken from yet left out too)."""
-        with self._lock:
-            late = _monotonic() - self.last if self._thread is not None and not self._done.is_set() else 0.0
-            return time.perf_counter() - self.paused - (late - self.TICK if late > self.GAP else 0.0)
 
 
 # what to do where a training step does not fit in memory
@@ -707,7 +524,7 @@ class Trainer:
             out.update(
                 optimizer=self.optimizer.state_dict(),
                 scaler=self.scaler.state_dict(),
-                rng=_rng_state(),
+                rng=rng_state(),
                 state=asdict(self.state),
             )
             if self.epoch_ids is not None:  # a resumed epoch goes on over the same segmentation
@@ -731,7 +548,7 @@ class Trainer:
 
         Under DDP every rank calls it: rank 0 writes, with each rank's RNG states, while the
         others wait, so that none exits (and torchrun stops the job) while last.pt is written."""
-        rng_per_rank = self.comm.gathered(_rng_state())
+        rng_per_rank = self.comm.gathered(rng_state())
         if self.ranks.is_main:
             self._follow_run_dir()
             payload = self._payload(full=True)
@@ -829,7 +646,7 @@ class Trainer:
             rng_per_rank = ckpt.get("rng_per_rank") or [ckpt["rng"]]
             same_ranks = len(rng_per_rank) == self.ranks.world_size
             restored = rng_per_rank[self.ranks.rank] if same_ranks else ckpt["rng"]
-            _set_rng_state(restored)
+            set_rng_state(restored)
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise CheckpointError(
                 f"{path}: cannot restore the training state ({e.__class__.__name__}: {str(e)[:100]})"
@@ -1467,7 +1284,7 @@ class Trainer:
                 # where the step starts, for last.pt if it runs out of memory before its update: inside
                 # an epoch, whose setup (`_micro_batches`) is done and drew nothing since the last step
                 inside = self.ranks.world_size == 1 and st.batch > len(group)
-                before = (st.epoch, st.batch - len(group), _rng_state()) if inside else None
+                before = (st.epoch, st.batch - len(group), rng_state()) if inside else None
                 loss, tokens, applied = self.train_step(group)
                 before = None
                 now = self.clock.now()
@@ -1766,7 +1583,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.state.epoch, self.state.batch = epoch, batch
-        _set_rng_state(rng)
+        set_rng_state(rng)
         try:
             self.save()
         except (MtxError, OSError, RuntimeError) as e:

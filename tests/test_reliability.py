@@ -28,6 +28,7 @@ from mtx import device as device_module
 from mtx import loss as loss_module
 from mtx import rundir as rundir_module
 from mtx import search
+from mtx import state as state_module
 from mtx import train as train_module
 from mtx.checkpoint import (
     FORMAT_VERSION,
@@ -1207,14 +1208,14 @@ def test_out_of_memory_in_a_training_step_or_a_decode_is_one_line(
         k: v for k, v in b["state"].items() if k not in timed
     }
 
-    update = train_module.MovingAverage.update
+    update = state_module.MovingAverage.update
 
-    def out_of_memory_in_update_12(self: train_module.MovingAverage) -> None:
+    def out_of_memory_in_update_12(self: state_module.MovingAverage) -> None:
         if self.updates == 11:  # step 12's weights are new, its moving average not yet
             raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
         update(self)
 
-    monkeypatch.setattr(train_module.MovingAverage, "update", out_of_memory_in_update_12)
+    monkeypatch.setattr(state_module.MovingAverage, "update", out_of_memory_in_update_12)
     half = tmp_path / "half"
     assert main(mini_args(mini_data, half, *common, "--set", "train.max_steps=20")) == 1
     err = capsys.readouterr().err

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mtx import clock as clock_module
 from mtx import device as device_module
 from mtx import loss as loss_module
 from mtx import rundir as rundir_module
@@ -38,8 +39,9 @@ from mtx.loss import (
 )
 from mtx.model import Dropout, FeedForward, Seq2Seq, dropout
 from mtx.punctuation import folds, load_folds, punctuation_counts
+from mtx.state import MovingAverage, rng_state, set_rng_state
 from mtx.tokenizer import BOS, EOS, PAD, UNK
-from mtx.train import MovingAverage, drop_words, dropout_rate, learning_rate, make_optimizer, set_dropout
+from mtx.train import drop_words, dropout_rate, learning_rate, make_optimizer, set_dropout
 
 from .conftest import REPO, tiny_args
 
@@ -367,9 +369,9 @@ def test_gpu_precision_and_random_states_where_the_hardware_differs(monkeypatch:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, index: restored.append(index))
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.get_rng_state()] * 2)
-    saved = train_module._rng_state()  # as on a machine where torch saw two GPUs
+    saved = rng_state()  # as on a machine where torch saw two GPUs
     assert len(saved["cuda"]) == 2
-    train_module._set_rng_state(saved)
+    set_rng_state(saved)
     assert restored == [0]
 
 
@@ -618,7 +620,9 @@ def test_logged_throughput_leaves_out_validation_and_elapsed_time_counts_it(
     in four of the shipped configs was slowed down), and elapsed_s counts each validation when it
     ends (it came one step late, and the last one never)."""
     clock = [0.0]
-    monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    fake_time = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(train_module, "time", fake_time)
+    monkeypatch.setattr(clock_module, "time", fake_time)  # the loop's PauseClock
     tokens: list[int] = []
     step, validate = train_module.Trainer.train_step, train_module.Trainer.validate
 
@@ -1021,28 +1025,31 @@ def test_the_training_clock_leaves_out_a_stopped_process(tmp_path: Path) -> None
     """Ctrl-Z or `kill -STOP` of `mtx train` spent its train.max_minutes budget: a run stopped for
     40 s of a 30 s budget trained 167 steps of its 553, and its linear rate ended at 73% of the
     peak (stop 68's probe). The loop's clock stands still while the process is stopped."""
+    # (mtx.clock imports no torch: the child starts in a tenth of a second; its stops are told from
+    # a busy GIL by a gap of 1 s here, 5 s in training)
     child = (
         "import time\n"
-        "from mtx.train import PauseClock\n"
+        "from mtx.clock import PauseClock\n"
+        "PauseClock.GAP = 1.0\n"
         "with PauseClock() as clock:\n"
         "    start, wall = clock.now(), time.perf_counter()\n"
         "    print('ready', flush=True)\n"
-        "    while time.perf_counter() - wall < 9:\n"
+        "    while time.perf_counter() - wall < 4:\n"
         "        time.sleep(0.01)\n"
         "    print(round(clock.now() - start, 2), flush=True)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-        time.sleep(1)
+        time.sleep(0.5)
         proc.send_signal(signal.SIGSTOP)
-        time.sleep(6)
+        time.sleep(2.5)
         proc.send_signal(signal.SIGCONT)
         counted = float(proc.stdout.readline())
     finally:
         proc.kill()
         proc.wait()
-    assert 2.3 < counted < 4.0, counted  # 9 s of wall time, 6 of them stopped
+    assert 1.0 < counted < 2.2, counted  # 4 s of wall time, 2.5 of them stopped
 
 
 def test_timing_bf16_draws_nothing_from_torchs_generator() -> None:
