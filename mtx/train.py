@@ -71,6 +71,7 @@ from mtx.device import (
     slow_bf16,
     start_process_group,
 )
+from mtx.epochs import EpochPairs
 from mtx.errors import (
     CheckpointError,
     ConfigError,
@@ -265,13 +266,8 @@ class Trainer:
         valid_src, valid_tgt = texts(corpus[cfg.data.valid_split])
         self.src_tok, self.tgt_tok = self._run_tokenizers(train_src, train_tgt)
         self.folds = self._source_folds(train_src)  # the punctuation validation reads as eval does
-        self._encode_training_pairs(data_dir, train_src, train_tgt, extra_texts)  # train_ids, extra_ids, data_digest
+        self._encode_training_pairs(data_dir, train_src, train_tgt, extra_texts)  # pairs, data_digest
         self._check_same_data(data_dir, data_digest([self.data_digest], valid_src, valid_tgt))
-        # (epoch, its BPE-dropout segmentation of train's pairs, of the extra-source pairs and of the
-        # model's translations, the last two None where the epoch has none: `_segmented_ids`)
-        self.epoch_ids: tuple[int, ParallelIds, ParallelIds | None, ParallelIds | None] | None = None
-        self.dropout_toks: tuple[BPE, BPE] | None = None  # (src, tgt) tokenizers with BPE-dropout
-        self.synthetic: ParallelIds | None = None  # the model's translations of train (train.diversify)
         self.setup_seconds = 0.0  # of epochs' setup since the fit loop last took it (`_micro_batches`)
         self.updating = False  # inside a step's optimizer update (`train_step`): the weights are half-new
         self.scale_overflow = False  # the last step's update skipped by fp16's loss scaler (`train_step`)
@@ -333,7 +329,7 @@ class Trainer:
     def _median_batch_loss(self) -> Callable[[], torch.Tensor]:
         """The training loss of a batch of median length (`median_batch`)."""
         tc = self.cfg.train
-        batch = median_batch(self.train_ids, tc.batch_tokens).to(self.device)
+        batch = median_batch(self.pairs.train_ids, tc.batch_tokens).to(self.device)
         return lambda: label_smoothed_loss(self.model, batch, tc.label_smoothing)
 
     def _run_tokenizers(self, train_src: list[str], train_tgt: list[str]) -> tuple[BPE, BPE]:
@@ -362,25 +358,20 @@ class Trainer:
         train_tgt: list[str],
         extra_texts: tuple[list[str], list[str]] | None,
     ) -> None:
-        """Sets train_ids, extra_ids, the texts of their pairs and data_digest; refuses too little to train on."""
+        """Sets `pairs` (what each epoch trains on) and data_digest; refuses too little to train on."""
         cfg, tc, ranks = self.cfg, self.cfg.train, self.ranks
-        self.train_ids = ParallelIds.encode(train_src, train_tgt, self.src_tok, self.tgt_tok, cfg.data.max_len)
-        rows = self.train_ids.rows  # the texts of the pairs kept, for BPE-dropout's segmentations
-        self.train_texts = ([train_src[i] for i in rows], [train_tgt[i] for i in rows])
-        if not len(self.train_ids):
+        if extra_texts is None:
+            extra_texts = extra_source_texts(data_dir, cfg.data)
+        self.pairs = EpochPairs(cfg, self.comm, (self.src_tok, self.tgt_tok), (train_src, train_tgt), extra_texts)
+        train_ids = self.pairs.train_ids
+        if not len(train_ids):
             raise MtxError(
                 f"data.max_len={cfg.data.max_len}: all {len(train_src)} training pairs are longer than that "
                 "in BPE tokens; raise data.max_len"
             )
-        batches = epoch_length(self.train_ids, tc.batch_tokens, tc.seed, 0, ranks.world_size)
+        batches = epoch_length(train_ids, tc.batch_tokens, tc.seed, 0, ranks.world_size)
         if batches < tc.accum_steps:  # an epoch shorter than one update: refused (its only update a leftover)
-            raise MtxError(too_few_batches(len(self.train_ids), batches, tc, ranks.world_size))
-        if extra_texts is None:
-            extra_texts = extra_source_texts(data_dir, cfg.data)
-        self.extra_ids = self._extra_source_ids(*extra_texts)  # (extra language, tgt) pairs, or None
-        # the texts of the extra pairs kept, for BPE-dropout's segmentations
-        kept = self.extra_ids.rows if self.extra_ids is not None else []
-        self.extra_texts = ([extra_texts[0][i] for i in kept], [extra_texts[1][i] for i in kept])
+            raise MtxError(too_few_batches(len(train_ids), batches, tc, ranks.world_size))
         # what the epochs' plans are made of: a resume mid-epoch on other data starts the next epoch
         self.data_digest = data_digest(train_src, train_tgt, *extra_texts)
 
@@ -444,7 +435,7 @@ class Trainer:
     def _build_model(self) -> Seq2Seq:
         """The model on the device (an out-of-memory said in one line), its restricted output said."""
         cfg = self.cfg
-        output_ids = self.train_ids.target_vocabulary() if cfg.model.restrict_output else None
+        output_ids = self.pairs.train_ids.target_vocabulary() if cfg.model.restrict_output else None
         try:
             model = ckpt_io.build_model(cfg, self.src_tok, self.tgt_tok, output_ids).to(self.device)
         except RuntimeError as e:  # torch.OutOfMemoryError is one; so is the CPU allocator's failure
@@ -527,15 +518,7 @@ class Trainer:
                 rng=rng_state(),
                 state=asdict(self.state),
             )
-            if self.epoch_ids is not None:  # a resumed epoch goes on over the same segmentation
-                epoch, real, extra, synthetic = self.epoch_ids
-                out["epoch_ids"] = {"epoch": epoch, **real.to_tensors()}
-                if extra is not None:
-                    out["epoch_extra_ids"] = extra.to_tensors()
-                if synthetic is not None:
-                    out["epoch_synthetic_ids"] = synthetic.to_tensors()
-            if self.synthetic is not None:  # a resumed run trains on the same synthetic pairs
-                out["synthetic"] = self.synthetic.to_tensors()
+            out.update(self.pairs.to_checkpoint())
             if self.ema is not None:
                 out["ema"] = self.ema.to_dict()
             out["data_digest"] = self.data_digest
@@ -618,17 +601,7 @@ class Trainer:
             self.state = TrainState(**ckpt["state"])
             if "patience_best_bleu" not in ckpt["state"]:  # saved before stop 62
                 self.state.patience_best_bleu = self.state.best_bleu
-            if "epoch_ids" in ckpt and self.cfg.tokenizer.bpe_dropout:
-                saved = dict(ckpt["epoch_ids"])
-                extra, synthetic = (ckpt.get(key) for key in ("epoch_extra_ids", "epoch_synthetic_ids"))
-                self.epoch_ids = (
-                    int(saved.pop("epoch")),
-                    ParallelIds.from_tensors(saved),
-                    ParallelIds.from_tensors(extra) if extra is not None else None,
-                    ParallelIds.from_tensors(synthetic) if synthetic is not None else None,
-                )
-            if "synthetic" in ckpt:
-                self.synthetic = ParallelIds.from_tensors(ckpt["synthetic"])
+            self.pairs.load_checkpoint(ckpt)
             self._keep_cpu_precision(ckpt.get("cpu_amp"))
             if self.ema is not None and "ema" in ckpt:
                 self.ema.load(ckpt["ema"])
@@ -673,8 +646,8 @@ class Trainer:
         changed = [f"{section}.{key}" for section, key in PLAN_KEYS if f"{section}.{key}" in changes]
         if ckpt.get("data_digest", self.data_digest) != self.data_digest:  # (stop 54: went on at the old position)
             changed.append("the training data")
-        if self.synthetic is not None and not tc.diversify:  # (stop 53: they stayed in every later epoch)
-            self.synthetic, st.diversified_epoch = None, -1
+        if self.pairs.synthetic is not None and not tc.diversify:  # (stop 53: they stayed in every later epoch)
+            self.pairs.synthetic, st.diversified_epoch = None, -1
             self.resume_notes.append(
                 (logging.INFO, "train.diversify=0: the model's translations of train are left out from here on")
             )
@@ -877,7 +850,7 @@ class Trainer:
             if self.state.batch == 0:
                 self._plan_phases()
                 self._plan_diversify()
-            ids = self._epoch_ids(self.state.epoch)
+            ids = self.pairs.of_epoch(self.state.epoch, self.state)
             plan = epoch_plan(ids, tc.batch_tokens, tc.seed, self.state.epoch)
             batches = epoch_batches(
                 ids,
@@ -904,7 +877,7 @@ class Trainer:
                     yield group
                     group = []
             if whole_epoch and seen < tc.accum_steps:  # not one whole update (as checked at the start)
-                pairs = len(self._epoch_ids(self.state.epoch))
+                pairs = len(self.pairs.of_epoch(self.state.epoch, self.state))
                 raise MtxError(too_few_batches(pairs, seen, tc, self.ranks.world_size))
             if group:
                 # an epoch's leftover micro-batches make one smaller update (stop 63: they were
@@ -925,12 +898,7 @@ class Trainer:
         tc, st = self.cfg.train, self.state
         if not tc.max_epochs or st.epoch >= tc.max_epochs:
             return None
-        longest = self.train_ids.both_ways() if tc.bidirectional else self.train_ids
-        if self.extra_ids is not None:
-            longest = longest + self.extra_ids
-        if self.synthetic is not None or tc.diversify:
-            longest = longest + (self.synthetic if self.synthetic is not None else self.train_ids.both_ways())
-        batches = epoch_length(longest, tc.batch_tokens, tc.seed, st.epoch, self.ranks.world_size)
+        batches = epoch_length(self.pairs.longest(), tc.batch_tokens, tc.seed, st.epoch, self.ranks.world_size)
         return st.step + (tc.max_epochs - st.epoch) * -(-batches // tc.accum_steps)
 
     def _epochs_end(self, batches: int) -> int:
@@ -943,23 +911,6 @@ class Trainer:
         left = -(-(per_rank - st.batch) // tc.accum_steps)  # an epoch's leftover batches: one more update
         later = (tc.max_epochs - st.epoch - 1) * -(-per_rank // tc.accum_steps)
         return min(tc.max_steps, st.step + left + later)
-
-    def _extra_source_ids(self, src: list[str], tgt: list[str]) -> ParallelIds | None:
-        """The train split's pairs from each of data.extra_src_langs to the target language
-        (`extra_source_texts`), encoded with the source tokenizer (many-to-one training,
-        train.extra_sources)."""
-        data = self.cfg.data
-        if not data.extra_src_langs:
-            return None
-        ids = ParallelIds.encode(src, tgt, self.src_tok, self.tgt_tok, data.max_len)
-        if self.ranks.is_main:
-            log.info(
-                "%d extra training pairs from %s (train.extra_sources=%g of the budget)",
-                len(ids),
-                "/".join(data.extra_src_langs),
-                self.cfg.train.extra_sources,
-            )
-        return ids
 
     def _plan_phases(self) -> None:
         """At the start of an epoch: whether it still trains both ways (train.bidirectional; BiT,
@@ -1008,7 +959,7 @@ class Trainer:
             return
         if not self.comm.flag_from_main(budget_used(st.step, tc, st.elapsed) >= tc.diversify):
             return
-        self.synthetic, st.diversified_epoch = self._translate_train(), st.epoch
+        self.pairs.synthetic, st.diversified_epoch = self._translate_train(), st.epoch
 
     @torch.no_grad()
     def _translate_train(self) -> ParallelIds:
@@ -1028,7 +979,7 @@ class Trainer:
             if world > 1:  # in place: a state_dict's tensors are the module's own
                 for tensor in teacher.state_dict().values():
                     dist.broadcast(tensor, src=0)
-        dc, real = self.cfg.decode, self.train_ids
+        dc, real = self.cfg.decode, self.pairs.train_ids
         limit = self.cfg.data.max_len
 
         def greedy(sentences: list[list[int]]) -> list[list[int]]:
@@ -1058,62 +1009,6 @@ class Trainer:
             time.perf_counter() - start,
         )
         return synthetic
-
-    def _epoch_ids(self, epoch: int) -> ParallelIds:
-        """The training ids of `epoch` (`_segmented_ids`): train's pairs, each also reversed in the
-        first `state.both_ways_epochs` epochs (train.bidirectional); the pairs of the extra source
-        languages added in the first `state.extra_source_epochs` epochs (train.extra_sources); the
-        model's translations of train added from `state.diversified_epoch` on (train.diversify)."""
-        ids, extra, synthetic = self._segmented_ids(epoch)
-        if epoch < self.state.both_ways_epochs:
-            ids = ids.both_ways()
-        if extra is not None:
-            ids = ids + extra
-        if synthetic is not None:
-            ids = ids + synthetic
-        return ids
-
-    def _segmented_ids(self, epoch: int) -> tuple[ParallelIds, ParallelIds | None, ParallelIds | None]:
-        """Train's pairs, and the extra-source pairs and the model's translations that `epoch` adds
-        (None where it adds none): as encoded, or with tokenizer.bpe_dropout a fresh segmentation
-        of each per epoch, drawn on rank 0 and sent to the other ranks (stop 65: the extra-source
-        and translated pairs kept the plain one, and with them half or more of an epoch's
-        targets). The translations are segmented afresh from their text."""
-        extra = self.extra_ids if self.extra_ids is not None and epoch < self.state.extra_source_epochs else None
-        synthetic = self.synthetic if self.synthetic is not None and epoch >= self.state.diversified_epoch else None
-        p = self.cfg.tokenizer.bpe_dropout
-        if not p:
-            return self.train_ids, extra, synthetic
-        if self.epoch_ids is None or self.epoch_ids[0] != epoch:
-
-            def segment(ids: ParallelIds, texts: Callable[[], tuple[list[str], list[str]]]) -> ParallelIds:
-                def make() -> ParallelIds:
-                    if self.dropout_toks is None:  # built once; each encode draws a fresh segmentation
-                        src_tok = self.src_tok.with_dropout(p)
-                        tgt_tok = src_tok if self.tgt_tok is self.src_tok else self.tgt_tok.with_dropout(p)
-                        self.dropout_toks = (src_tok, tgt_tok)
-                    return ids.resegmented(*texts(), *self.dropout_toks, self.cfg.data.max_len)
-
-                return self.comm.made_by_main(make)
-
-            def translated() -> tuple[list[str], list[str]]:
-                assert synthetic is not None
-                return self.src_tok.decode_batch(synthetic.src_ids), self.tgt_tok.decode_batch(synthetic.tgt_ids)
-
-            self.epoch_ids = (
-                epoch,
-                segment(self.train_ids, lambda: self.train_texts),
-                segment(extra, lambda: self.extra_texts) if extra is not None else None,
-                segment(synthetic, translated) if synthetic is not None else None,
-            )
-        _, real, extra_seg, synthetic_seg = self.epoch_ids
-        # a last.pt saved before stop 65 holds train's segmentation alone: its epoch goes on with
-        # the other pairs as encoded, as it began
-        if extra is not None and extra_seg is not None:
-            extra = extra_seg
-        if synthetic is not None and synthetic_seg is not None:
-            synthetic = synthetic_seg
-        return real, extra, synthetic
 
     def train_step(self, group: list[Batch]) -> tuple[float, int, bool]:
         """Forward/backward over the micro-batches, then one optimizer update.
@@ -1378,10 +1273,8 @@ class Trainer:
 
     def _log_setup(self, limit: str | None) -> None:
         """Say what the session trains, and how (`limit`: one a resumed run has reached already)."""
-        tc = self.cfg.train
-        pad = padding_fraction(
-            self.train_ids, plan_batches(self.train_ids.src_lens, self.train_ids.tgt_lens, tc.batch_tokens)
-        )
+        tc, train_ids = self.cfg.train, self.pairs.train_ids
+        pad = padding_fraction(train_ids, plan_batches(train_ids.src_lens, train_ids.tgt_lens, tc.batch_tokens))
         n_params = sum(p.numel() for p in self.model.parameters())
         precision = str(self.amp).replace("torch.", "") if self.amp else "fp32"
         if tc.amp == "auto" and self.device.type == "cpu" and devices.cpu_bf16_speedup() > 0:
@@ -1397,7 +1290,7 @@ class Trainer:
             self.device,
             precision,
             n_params,
-            len(self.train_ids),
+            len(train_ids),
             len(self.valid_ids),
             100 * pad,
         )

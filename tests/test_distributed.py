@@ -75,7 +75,7 @@ def equivalence_config(data_dir: Path) -> Config:
 
 def step_batches(trainer: Trainer, step: int, rank: int, world_size: int) -> list[Batch]:
     """Rank `rank`'s micro-batches of `step`; with world_size 1, all ranks' batches of a micro-step as one."""
-    ids = trainer.train_ids
+    ids = trainer.pairs.train_ids
     plan = plan_batches(ids.src_lens, ids.tgt_lens, BATCH_TOKENS, seed=7)
     first = sum(ACCUM[:step])
     micro = [plan[2 * m : 2 * m + 2] for m in range(first, first + ACCUM[step])]  # (rank 0's, rank 1's)
@@ -238,8 +238,8 @@ def sharing_worker(rank: int, world_size: int, data_dir: Path, init_from: Path, 
                 p.mul_(0.5)
         if trainer.ema is not None:
             trainer.ema.averages = trained
-        real = trainer.train_ids  # 60 of them both ways are enough, and take seconds
-        trainer.train_ids = ParallelIds(real.src_ids[:60], real.tgt_ids[:60])
+        real = trainer.pairs.train_ids  # 60 of them both ways are enough, and take seconds
+        trainer.pairs.train_ids = ParallelIds(real.src_ids[:60], real.tgt_ids[:60])
         synthetic = trainer._translate_train()
         record = {"result": result, "scored": scored, "synthetic": [synthetic.src_ids, synthetic.tgt_ids]}
         torch.save(record, out / f"share{world_size}_{rank}.pt")

@@ -218,11 +218,11 @@ def test_bpe_dropout_resegments_each_epoch_and_a_resumed_epoch_keeps_its_own(tmp
     assert saved.pop("epoch") == state["epoch"] >= 1 and state["batch"] > 0  # stopped inside an epoch
 
     trainer = train_module.Trainer(load_config(run / "config.yaml"), run, resume=True)
-    resumed = trainer._epoch_ids(state["epoch"])
+    resumed = trainer.pairs.of_epoch(state["epoch"], trainer.state)
     assert resumed.src_ids == ParallelIds.from_tensors(saved).src_ids  # the same batches go on
-    fresh = trainer._epoch_ids(state["epoch"] + 1)
-    assert fresh.tgt_ids != resumed.tgt_ids and fresh.tgt_ids != trainer.train_ids.tgt_ids
-    assert trainer.tgt_tok.decode_batch(fresh.tgt_ids) == trainer.train_texts[1]  # same sentences, resegmented
+    fresh = trainer.pairs.of_epoch(state["epoch"] + 1, trainer.state)
+    assert fresh.tgt_ids != resumed.tgt_ids and fresh.tgt_ids != trainer.pairs.train_ids.tgt_ids
+    assert trainer.tgt_tok.decode_batch(fresh.tgt_ids) == trainer.pairs.train_texts[1]  # same sentences, resegmented
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=14"]) == 0
 
 
@@ -243,20 +243,22 @@ def test_bpe_dropout_resegments_the_extra_source_pairs_and_the_models_translatio
     assert (ckpt["state"]["epoch"], ckpt["state"]["batch"]) == (0, 3) and "epoch_extra_ids" in ckpt
 
     trainer = train_module.Trainer(load_config(run / "config.yaml"), run, resume=True)
-    real, extra, synthetic = trainer._segmented_ids(0)  # the resumed epoch's, from last.pt
+    real, extra, synthetic = trainer.pairs.segmented(0, trainer.state)  # the resumed epoch's, from last.pt
     assert extra is not None and synthetic is None
     assert extra.src_ids == ParallelIds.from_tensors(ckpt["epoch_extra_ids"]).src_ids
-    plain = trainer.extra_ids
+    plain = trainer.pairs.extra_ids
     assert plain is not None and extra.src_ids != plain.src_ids and extra.tgt_ids != plain.tgt_ids
-    assert trainer.src_tok.decode_batch(extra.src_ids) == trainer.extra_texts[0] == read_lines(data / "train.fr")
-    assert trainer.tgt_tok.decode_batch(extra.tgt_ids) == trainer.extra_texts[1]
+    assert trainer.src_tok.decode_batch(extra.src_ids) == trainer.pairs.extra_texts[0] == read_lines(data / "train.fr")
+    assert trainer.tgt_tok.decode_batch(extra.tgt_ids) == trainer.pairs.extra_texts[1]
     # the model's translations (here train's pairs reversed stand in for them), from their text
-    trainer.synthetic, trainer.state.diversified_epoch = trainer.train_ids.both_ways(), 1
+    trainer.pairs.synthetic, trainer.state.diversified_epoch = trainer.pairs.train_ids.both_ways(), 1
     trainer.state.extra_source_epochs = 2  # as planned at epoch 1's start
-    _, extra, synthetic = trainer._segmented_ids(1)
+    _, extra, synthetic = trainer.pairs.segmented(1, trainer.state)
     assert extra is not None and extra.src_ids != plain.src_ids  # a fresh segmentation
-    assert synthetic is not None and synthetic.src_ids != trainer.synthetic.src_ids
-    assert trainer.tgt_tok.decode_batch(synthetic.tgt_ids) == trainer.train_texts[1] + trainer.train_texts[0]
+    assert synthetic is not None and synthetic.src_ids != trainer.pairs.synthetic.src_ids
+    assert (
+        trainer.tgt_tok.decode_batch(synthetic.tgt_ids) == trainer.pairs.train_texts[1] + trainer.pairs.train_texts[0]
+    )
     assert main(["train", "--run-dir", str(run), "--resume", "--set", "train.max_steps=5"]) == 0
 
 
@@ -271,7 +273,7 @@ def test_an_epochs_leftover_micro_batches_make_one_smaller_update_and_resume_exa
     assert main(mini_args(mini_data, straight, *common)) == 0
     trainer = train_module.Trainer(load_config(straight / "config.yaml"), straight, resume=True)
     tc = trainer.cfg.train
-    batches = [epoch_length(trainer.train_ids, tc.batch_tokens, tc.seed, epoch) for epoch in (0, 1)]
+    batches = [epoch_length(trainer.pairs.train_ids, tc.batch_tokens, tc.seed, epoch) for epoch in (0, 1)]
     assert any(b % 4 for b in batches)  # an epoch with leftovers (9 batches an epoch or so)
     a = load_weights_only(straight / "checkpoints" / "last.pt")
     assert a["state"]["step"] == sum(math.ceil(b / 4) for b in batches) and a["state"]["epoch"] == 2
@@ -311,8 +313,8 @@ def test_bidirectional_epochs_train_both_ways_then_one_way_and_resume_exactly(tm
     n_both = a["state"]["both_ways_epochs"]
     assert 2 <= n_both < a["state"]["epoch"]
     trainer = train_module.Trainer(load_config(tmp_path / "split" / "config.yaml"), tmp_path / "split", resume=True)
-    one_way, both = trainer._epoch_ids(n_both), trainer._epoch_ids(n_both - 1)
-    assert one_way is trainer.train_ids and len(both) == 2 * len(one_way)
+    one_way, both = trainer.pairs.of_epoch(n_both, trainer.state), trainer.pairs.of_epoch(n_both - 1, trainer.state)
+    assert one_way is trainer.pairs.train_ids and len(both) == 2 * len(one_way)
     assert both.src_ids[len(one_way) :] == one_way.tgt_ids and both.tgt_ids[len(one_way) :] == one_way.src_ids
 
 
@@ -331,9 +333,9 @@ def test_extra_source_languages_join_the_first_epochs_and_resume_exactly(
     n_extra = a["state"]["extra_source_epochs"]  # epoch 3 started at 0.9 of the 70 steps: without them
     assert n_extra == a["state"]["epoch"] == 3 and a["state"]["batch"] > 0
     trainer = train_module.Trainer(load_config(tmp_path / "split" / "config.yaml"), tmp_path / "split", resume=True)
-    real, extra = trainer.train_ids, trainer.extra_ids
-    assert extra is not None and trainer._epoch_ids(n_extra) is real
-    first = trainer._epoch_ids(n_extra - 1)
+    real, extra = trainer.pairs.train_ids, trainer.pairs.extra_ids
+    assert extra is not None and trainer.pairs.of_epoch(n_extra, trainer.state) is real
+    first = trainer.pairs.of_epoch(n_extra - 1, trainer.state)
     assert first.src_ids == real.src_ids + extra.src_ids and first.tgt_ids == real.tgt_ids + extra.tgt_ids
     # the same English targets, French sources through the (de+en) source tokenizer
     french = read_lines(data / "train.fr")
@@ -388,10 +390,12 @@ def test_diversify_adds_the_models_translations_and_resumes_exactly(
     assert all(torch.equal(a["synthetic"][k], b["synthetic"][k]) for k in a["synthetic"])
 
     trainer = train_module.Trainer(load_config(tmp_path / "split" / "config.yaml"), tmp_path / "split", resume=True)
-    real, synthetic = trainer.train_ids, trainer.synthetic
+    real, synthetic = trainer.pairs.train_ids, trainer.pairs.synthetic
     assert synthetic is not None and len(real) < len(synthetic) <= 2 * len(real)
-    assert trainer._epoch_ids(1).src_ids == real.src_ids + real.tgt_ids  # before: the real pairs both ways
-    later = trainer._epoch_ids(2)
+    assert (
+        trainer.pairs.of_epoch(1, trainer.state).src_ids == real.src_ids + real.tgt_ids
+    )  # before: the real pairs both ways
+    later = trainer.pairs.of_epoch(2, trainer.state)
     assert later.src_ids == real.src_ids + synthetic.src_ids and later.tgt_ids == real.tgt_ids + synthetic.tgt_ids
     # forward pairs keep a real source, backward pairs a real target; the model's side is its own
     forward = [(s, t) for s, t in zip(synthetic.src_ids, synthetic.tgt_ids, strict=True) if s in real.src_ids]

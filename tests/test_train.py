@@ -1113,7 +1113,7 @@ def test_accumulated_micro_batches_give_the_gradient_of_their_union(tmp_path: Pa
     (and per-token loss) of one batch of all their sentences, every target token weighted alike;
     normalising each micro-batch by its own tokens weights a short batch's tokens more."""
     trainer = _trainer(tmp_path, mini_data, "train.clip_norm=0")
-    ids = trainer.train_ids
+    ids = trainer.pairs.train_ids
     order = np.argsort(ids.tgt_lens)
     short, long = list(order[:3]), list(order[-12:])  # few short targets, many long ones
     whole_grad, whole_loss, whole_tokens = _update_of(trainer, [ids.batch(short + long)])
@@ -1153,7 +1153,7 @@ def test_word_dropout_hits_its_own_side_and_never_the_targets_the_loss_scores(
     seen = []
     real = trainer.loss_module.forward
     trainer.loss_module.forward = lambda batch: (seen.append(batch), real(batch))[1]
-    ids = trainer.train_ids
+    ids = trainer.pairs.train_ids
     batch = ids.batch(list(range(40)))
     trainer.train_step([batch])
     (used,) = seen
@@ -1175,7 +1175,7 @@ def test_each_update_trains_at_the_dropout_its_step_is_documented_to_have(tmp_pa
     seen: list[float] = []
     real = trainer.loss_module.forward
     trainer.loss_module.forward = lambda batch: (seen.append(drops[0].p), real(batch))[1]
-    batch = trainer.train_ids.batch(list(range(8)))
+    batch = trainer.pairs.train_ids.batch(list(range(8)))
     trainer.state.step = 0  # from the first update
     for _ in range(5):
         trainer.train_step([batch])
@@ -1196,7 +1196,7 @@ def test_a_finite_loss_with_a_non_finite_gradient_is_skipped_and_leaves_weights_
     param = next(p for p in trainer.model.parameters() if p.dim() >= 2)
     handle = param.register_hook(lambda g: torch.full_like(g, float("inf")))
     try:
-        loss, tokens, applied = trainer.train_step([trainer.train_ids.batch(list(range(8)))])
+        loss, tokens, applied = trainer.train_step([trainer.pairs.train_ids.batch(list(range(8)))])
     finally:
         handle.remove()
     assert torch.isfinite(torch.tensor(loss)) and tokens > 0
@@ -1222,7 +1222,7 @@ def test_train_logs_step_of_end_counts_the_epochs_leftover_update(tmp_path: Path
     assert main(tiny_args(mini_data, run, *[a for s in sets for a in ("--set", s)])) == 0
     trainer = train_module.Trainer(load_config(run / "config.yaml"), run, resume=True)
     tc = trainer.cfg.train
-    batches = [epoch_length(trainer.train_ids, tc.batch_tokens, tc.seed, epoch) for epoch in (0, 1)]
+    batches = [epoch_length(trainer.pairs.train_ids, tc.batch_tokens, tc.seed, epoch) for epoch in (0, 1)]
     assert batches[1] % 4, batches  # the last epoch has leftovers (else this test tells nothing)
     final = sum(math.ceil(b / 4) for b in batches)
     lines = re.findall(r"step (\d+)/(\d+): loss", (run / "train.log").read_text())
