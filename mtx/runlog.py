@@ -38,6 +38,15 @@ def append_record(metrics: Any, record: dict[str, Any]) -> None:
             raise
 
 
+def zero_width_terminal(stream: Any) -> bool:
+    """Whether `stream` is a terminal that reports 0 columns (a pseudo-terminal never sized:
+    `script`'s, some containers'), where tqdm draws a bar 0 characters wide, nothing at all."""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns == 0
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a test's capture), closed
+        return False
+
+
 def progress_bar(seconds_left: Callable[[], float] | None, **options: Any) -> Any:
     """A tqdm bar of steps whose time left is at most `seconds_left()`, what train.max_minutes
     leaves, where that ends the run before the bar's total (stop 64: it counted to max_steps, 1:29:32

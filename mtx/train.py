@@ -249,7 +249,7 @@ class Trainer:
         if ranks.is_main:  # another node cannot tell whether a writer's pid is alive
             for path in ckpt_io.clean_stale_tmp(ckpt_io.checkpoint_dir(run_dir)):
                 log.info("removed %s, left by an interrupted save", path)
-        from mtx.cli import set_threads
+        from mtx.threads import set_threads
 
         set_threads(_thread_count(tc.threads) if tc.threads else 0)
         seed_everything(tc.seed)
@@ -1320,7 +1320,7 @@ class Trainer:
 
     def _progress_bar(self) -> Any:
         """The session's bar of steps, from the state's step to `end_step` (none on rank > 0)."""
-        from mtx.cli import zero_width_terminal
+        from mtx.runlog import zero_width_terminal
 
         tc, st = self.cfg.train, self.state
         return progress_bar(
@@ -1592,7 +1592,7 @@ class Trainer:
 def _thread_count(threads: int) -> int:
     """`train.threads`, at most the CPUs here: more only slows training, and a few thousand crash
     OpenMP. A config moves between machines, so a larger value is a warning, not an error."""
-    from mtx.cli import usable_cpus
+    from mtx.threads import usable_cpus
 
     cpus = usable_cpus()
     if threads > cpus:

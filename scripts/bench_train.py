@@ -51,7 +51,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx import default_onednn_cache  # noqa: E402
-from mtx.cli import add_set_option, int_in, script_parser, thread_count, usable_cpus  # noqa: E402
+from mtx.cli import add_set_option, int_in, script_parser, thread_count  # noqa: E402
 from mtx.config import Config, ModelConfig, load_config  # noqa: E402
 from mtx.data import (  # noqa: E402
     Batch,
@@ -67,6 +67,7 @@ from mtx.device import amp_dtype, auto_cpu_amp, autocast, cpu_bf16_speedup  # no
 from mtx.errors import ConfigError, MtxError, run_script, shown  # noqa: E402
 from mtx.loss import label_smoothed_loss, training_loss  # noqa: E402
 from mtx.model import Dropout, Seq2Seq, make_src_mask, sinusoidal_positions  # noqa: E402
+from mtx.threads import usable_cpus  # noqa: E402
 from mtx.tokenizer import PAD, train_bpe  # noqa: E402
 from mtx.train import _thread_count, make_optimizer  # noqa: E402
 

@@ -47,7 +47,7 @@ from mtx.checkpoint import (  # noqa: E402
     restore_best_single,
     step_checkpoints,
 )
-from mtx.cli import path_arg, script_parser, thread_count, usable_cpus  # noqa: E402
+from mtx.cli import path_arg, script_parser, thread_count  # noqa: E402
 from mtx.config import AT_MOST, MAX_LENGTH_PENALTY  # noqa: E402
 from mtx.data import (  # noqa: E402
     is_test_split,
@@ -62,6 +62,7 @@ from mtx.errors import MtxError, command_line, environment_mtx, run_script  # no
 from mtx.evaluate import PAIRED_SAMPLES, corpus_scores, paired_tests, resampling_seed_problem  # noqa: E402
 from mtx.model import Ensemble, Seq2Seq  # noqa: E402
 from mtx.search import translate  # noqa: E402
+from mtx.threads import usable_cpus  # noqa: E402
 
 
 def penalties(text: str) -> list[float]:

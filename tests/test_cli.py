@@ -33,23 +33,13 @@ import pytest
 import sacrebleu
 import torch
 
-from mtx.cli import (
-    _decode_settings,
-    _hypotheses_name,
-    _settings,
-    _source_tag,
-    build_parser,
-    cgroup_cpu_quota,
-    int_in,
-    main,
-    score_text,
-    set_threads,
-    usable_cpus,
-)
+from mtx.cli import build_parser, int_in, main
+from mtx.cli_decode import _decode_settings, _hypotheses_name, _settings, _source_tag, score_text
 from mtx.config import Config, DecodeConfig, config_text, load_config, load_run_config
 from mtx.data import read_lines
 from mtx.errors import MtxError
 from mtx.outputs import check_output, data_files, stdin_is_stdout, training_data, utf8_stdout
+from mtx.threads import cgroup_cpu_quota, set_threads, usable_cpus
 
 from .conftest import REPO, TINY_CONFIG, FakeMulti30k, main_in_process, tiny_args
 
@@ -192,7 +182,7 @@ def test_a_cgroup_cpu_quota_bounds_the_cpus_and_torchs_default_threads(
     assert cgroup_cpu_quota(v2) is None
     affinity = len(os.sched_getaffinity(0))
     (v2 / "cpu.max").write_text("100000 100000")
-    monkeypatch.setattr("mtx.cli.CGROUP", v2)
+    monkeypatch.setattr("mtx.threads.CGROUP", v2)
     assert usable_cpus() == 1
     (v2 / "cpu.max").write_text("100000000 100000")  # a quota above the affinity: the affinity
     assert usable_cpus() == affinity

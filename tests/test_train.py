@@ -785,7 +785,7 @@ def test_init_from_a_path_relative_to_the_working_directory(tiny_run: Path, monk
 def test_train_threads_beyond_the_cpus_warn_and_use_the_cpus(caplog: pytest.LogCaptureFixture) -> None:
     """A config's train.threads may come from a bigger machine: a warning, not an error, and not
     the 100,000 OpenMP threads that crashed `mtx translate --threads`."""
-    from mtx.cli import usable_cpus
+    from mtx.threads import usable_cpus
 
     cpus = usable_cpus()
     with caplog.at_level("WARNING", logger="mtx.train"):
