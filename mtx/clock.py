@@ -1,6 +1,5 @@
 """Stopping and the training clock: the signals that save a checkpoint and stop (`StopRequest`),
-and a clock that leaves out the time the process was stopped (`PauseClock`). Without torch, so
-that a command stopped before its work needs none."""
+and a clock that leaves out the time the process was stopped (`PauseClock`). It imports no torch."""
 
 from __future__ import annotations
 
