@@ -50,7 +50,7 @@ class _DecodeSettings(NamedTuple):
     batch_tokens: int
     workers: int
     stop: str
-    one_space: bool  # each source line read by `mtx.data.one_spaced`
+    one_space: bool  # each source line read by `mtx.text.one_spaced`
     fold: bool  # and its punctuation by the run's `mtx.punctuation.folds`
 
 
@@ -188,7 +188,7 @@ def _translate_input(
     args: argparse.Namespace, texts: list[str], from_stdin: bool
 ) -> tuple[bool, bool, Iterable[tuple[int, list[str]]]]:
     """Whether a terminal types the input, whether a progress bar shows, and the input's lines in chunks."""
-    from mtx.data import checked_line, stream_lines
+    from mtx.text import checked_line, stream_lines
 
     if from_stdin:
         terminal = sys.stdin.isatty()
@@ -386,7 +386,8 @@ class _EvalSet(NamedTuple):
 def _read_eval_set(args: argparse.Namespace, cfg: Config, as_scored: bool = True) -> _EvalSet:
     """The lines of --src/--ref, else of the split in the data directory; warnings about the references.
     `as_scored`: the references as sacreBLEU reads them (else cleaned as training reads its targets)."""
-    from mtx.data import eval_split_files, read_parallel, warn_of_invisible_ends, warn_unless_nfc
+    from mtx.data import eval_split_files
+    from mtx.text import read_parallel, warn_of_invisible_ends, warn_unless_nfc
 
     if args.src is not None:
         # a blank segment translates to an empty line, as in translate (stop 62: refused, and
@@ -438,7 +439,6 @@ def _warn_of_seen_split(args: argparse.Namespace, cfg: Config, name: str) -> Non
 
 def _bootstrap_and_paired(args: argparse.Namespace, data: _EvalSet) -> tuple[int, list[tuple[str, list[str]]]]:
     """The bootstrap resamples and the other systems' outputs (--paired: name, lines), checked before decoding."""
-    from mtx.data import read_lines, warn_of_invisible_ends
     from mtx.evaluate import (
         MAX_RESAMPLING_BYTES,
         MIN_BOOTSTRAP,
@@ -448,6 +448,7 @@ def _bootstrap_and_paired(args: argparse.Namespace, data: _EvalSet) -> tuple[int
         resampling_bytes,
         resampling_seed_problem,
     )
+    from mtx.text import read_lines, warn_of_invisible_ends
 
     samples = args.bootstrap or (PAIRED_SAMPLES if args.paired else 0)
     if samples and (problem := resampling_seed_problem()):  # before decoding (stop 68's probe: after it)

@@ -155,7 +155,7 @@ class DecodeConfig:
     # fairseq stops: faster, and may miss a better hypothesis still running)
     stop: str = "exact"
     # a source line's runs of whitespace inside it (tabs, no-break spaces, doubled spaces) read as
-    # one space, and soft hyphens and zero-width spaces dropped (`mtx.data.one_spaced`); false:
+    # one space, and soft hyphens and zero-width spaces dropped (`mtx.text.one_spaced`); false:
     # read as written, as training reads its data (`--keep-spaces`)
     normalize_spaces: bool = True
     # a source's quotes, apostrophes and dashes that the training sources (nearly) never have read

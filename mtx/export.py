@@ -30,10 +30,10 @@ from tokenizers import Regex, Tokenizer, decoders, normalizers
 from mtx import __version__
 from mtx.checkpoint import LoadedRun, abandoned, fsync_dir, make_held
 from mtx.config import QUANTIZATIONS
-from mtx.data import DROPPED_INSIDE, stripped
 from mtx.errors import MtxError, import_failed, named_os_errors
 from mtx.model import Ensemble, ScaleNorm, Seq2Seq
 from mtx.plot import parent_directories
+from mtx.text import DROPPED_INSIDE, stripped
 from mtx.tokenizer import BPE, LINE_BREAKS
 
 # the logit bias of target pieces a `model.restrict_output` softmax leaves out: exp(-65000) is 0 in
@@ -70,7 +70,7 @@ def exported_tokenizer(
 ) -> Tokenizer:
     """`tok` as a `tokenizers` file that reads and writes a line as mtx does.
 
-    - The characters `mtx.data.clean_line` drops at either end of a line (whitespace, a byte order
+    - The characters `mtx.text.clean_line` drops at either end of a line (whitespace, a byte order
       mark, direction marks, other invisible characters) go before NFC, as in mtx (stop 65: the
       file left them, and a line after a direction mark got another translation).
     - A line break that pieces spell decodes as a space, as `BPE.decode_batch` makes it; strip the
@@ -80,7 +80,7 @@ def exported_tokenizer(
       was read as an end of sentence). The target side keeps them as special tokens, so that
       decoding drops them as mtx does.
     - With `one_space` (a source read under `decode.normalize_spaces`), the characters
-      `mtx.data.one_spaced` drops inside a line go first, and each run of whitespace inside it is
+      `mtx.text.one_spaced` drops inside a line go first, and each run of whitespace inside it is
       one space.
     - With `folds` (the run's `mtx.punctuation.folds`, under `decode.normalize_punctuation`), each
       of their characters is read as the one it folds to, before NFC as in mtx."""

@@ -127,7 +127,8 @@ def _validation_data(run_dir: Path) -> _ValData | None:
     alone, two runs on different val files of one name looked alike, and `eval_sentences` 0 and
     100 on a val split of 100 looked different.)"""
     from mtx.config import load_run_config
-    from mtx.data import read_parallel, scored_text, split_file
+    from mtx.data import split_file
+    from mtx.text import read_parallel, scored_text
 
     try:
         cfg = load_run_config(run_dir)

@@ -64,7 +64,8 @@ def folded(texts: Sequence[str], read_as: Mapping[str, str]) -> list[str]:
 def counted_folds(data_dir: Path, split: str, lang: str) -> dict[str, str]:
     """`folds` of the `split` sources in `data_dir`, for a run trained before its counts were saved
     (stop 73); none where that file cannot be read (a run copied without its data)."""
-    from mtx.data import read_lines, split_file  # (mtx.data imports the tokenizer, which imports this module)
+    from mtx.data import split_file  # (mtx.data imports the tokenizer, which imports this module)
+    from mtx.text import read_lines  # (which imports this module)
 
     try:
         return folds(punctuation_counts(read_lines(split_file(data_dir, split, lang))))

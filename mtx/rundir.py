@@ -15,8 +15,9 @@ from typing import Any
 
 from mtx import checkpoint as ckpt_io
 from mtx.config import Config, config_text, to_dict, user_path
-from mtx.data import resolve_data_dir, scored_text
+from mtx.data import resolve_data_dir
 from mtx.errors import CheckpointError, MtxError, command_line, own_command, shown
+from mtx.text import scored_text
 from mtx.tokenizer import tokenizer_paths
 
 log = logging.getLogger(__name__)

@@ -83,7 +83,7 @@ class BPE:
         folds: Mapping[str, str] | None = None,
     ) -> list[list[int]]:
         """Text -> ids without specials (callers add BOS/EOS where their role needs them), each
-        text read as mtx reads a line (`mtx.data.clean_line`: whitespace and invisible characters
+        text read as mtx reads a line (`mtx.text.clean_line`: whitespace and invisible characters
         at its ends dropped), so that a program calling this gets the ids `mtx translate` decodes
         (stop 68's probe: a byte order mark before each val line cost such a program 12 BLEU).
 
@@ -92,10 +92,10 @@ class BPE:
         read: tokenizers takes about 37 bytes per input byte, and a 32 MB one-word line took 6.8 GB
         (stop 65). The first `max_pieces` ids are those of the whole text, and a cut text keeps more.
 
-        With `one_space`, each text is read as decoding reads a source line (`mtx.data.one_spaced`:
+        With `one_space`, each text is read as decoding reads a source line (`mtx.text.one_spaced`:
         runs of whitespace inside it one space too; `decode.normalize_spaces`), and with `folds`
         each of its characters read as another (`mtx.punctuation.folds`: `decode.normalize_punctuation`)."""
-        from mtx.data import read_sources  # (mtx.data imports this module)
+        from mtx.text import read_sources  # (mtx.data imports this module)
 
         texts = read_sources(texts, one_space, folds)
         if max_pieces:

@@ -53,14 +53,10 @@ from mtx.data import (
     median_batch,
     padding_fraction,
     plan_batches,
-    read_lines,
-    read_sources,
     resolve_data_dir,
     split_file,
     texts,
     warn_if_validating_on_train,
-    warn_of_invisible_ends,
-    warn_unless_nfc,
 )
 from mtx.device import (
     Ranks,
@@ -110,6 +106,7 @@ from mtx.rundir import (
 from mtx.runlog import HeldWarnings, RunLog, UntilReaderGone, append_record, progress_bar
 from mtx.search import DecodeOutOfMemory, translate, translate_ids
 from mtx.state import MovingAverage, TrainState, rank_seed, rng_state, seed_everything, set_rng_state
+from mtx.text import read_lines, read_sources, warn_of_invisible_ends, warn_unless_nfc
 from mtx.tokenizer import BPE, UNK, load_run_tokenizers, train_or_load
 
 if TYPE_CHECKING:

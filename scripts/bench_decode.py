@@ -46,7 +46,7 @@ from mtx.checkpoint import LoadedRun, load_run  # noqa: E402
 from mtx.cli import add_set_option, int_in, path_arg, script_parser, thread_count  # noqa: E402
 from mtx.cli import main as mtx_main  # noqa: E402
 from mtx.config import AT_MOST, load_config  # noqa: E402
-from mtx.data import pad_ids, read_parallel, split_file  # noqa: E402
+from mtx.data import pad_ids, split_file  # noqa: E402
 from mtx.errors import MtxError, run_script  # noqa: E402
 from mtx.export import outside_bias  # noqa: E402
 from mtx.model import Seq2Seq  # noqa: E402
@@ -58,6 +58,7 @@ from mtx.search import (  # noqa: E402
     max_output_lengths,
     within_positions,
 )
+from mtx.text import read_parallel  # noqa: E402
 from mtx.threads import usable_cpus  # noqa: E402
 from mtx.tokenizer import EOS  # noqa: E402
 

@@ -29,10 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtx.checkpoint import load_run  # noqa: E402
 from mtx.cli import int_in, path_arg, script_parser  # noqa: E402
-from mtx.data import read_parallel, resolve_data_dir, split_file  # noqa: E402
+from mtx.data import resolve_data_dir, split_file  # noqa: E402
 from mtx.device import pick_device  # noqa: E402
 from mtx.errors import run_script  # noqa: E402
 from mtx.search import translate_ids  # noqa: E402
+from mtx.text import read_parallel  # noqa: E402
 
 
 def decode_rows(run_dir: Path, data_dir: Path | None, split: str, sentences: int, device: torch.device) -> None:

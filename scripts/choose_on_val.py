@@ -49,19 +49,13 @@ from mtx.checkpoint import (  # noqa: E402
 )
 from mtx.cli import path_arg, script_parser, thread_count  # noqa: E402
 from mtx.config import AT_MOST, MAX_LENGTH_PENALTY  # noqa: E402
-from mtx.data import (  # noqa: E402
-    is_test_split,
-    read_parallel,
-    split_file,
-    warn_if_validating_on_train,
-    warn_of_invisible_ends,
-    warn_unless_nfc,
-)
+from mtx.data import is_test_split, split_file, warn_if_validating_on_train  # noqa: E402
 from mtx.device import pick_device  # noqa: E402
 from mtx.errors import MtxError, command_line, environment_mtx, run_script  # noqa: E402
 from mtx.evaluate import PAIRED_SAMPLES, corpus_scores, paired_tests, resampling_seed_problem  # noqa: E402
 from mtx.model import Ensemble, Seq2Seq  # noqa: E402
 from mtx.search import translate  # noqa: E402
+from mtx.text import read_parallel, warn_of_invisible_ends, warn_unless_nfc  # noqa: E402
 from mtx.threads import usable_cpus  # noqa: E402
 
 

@@ -36,9 +36,9 @@ import torch
 from mtx.cli import build_parser, int_in, main
 from mtx.cli_decode import _decode_settings, _hypotheses_name, _settings, _source_tag, score_text
 from mtx.config import Config, DecodeConfig, config_text, load_config, load_run_config
-from mtx.data import read_lines
 from mtx.errors import MtxError
 from mtx.outputs import check_output, data_files, stdin_is_stdout, training_data, utf8_stdout
+from mtx.text import read_lines
 from mtx.threads import cgroup_cpu_quota, set_threads, usable_cpus
 
 from .conftest import REPO, TINY_CONFIG, FakeMulti30k, main_in_process, tiny_args
@@ -1694,9 +1694,10 @@ def test_score_prints_each_pairs_score_and_training_val_loss_as_its_perplexity(
     import numpy as np
 
     from mtx.checkpoint import load_run
-    from mtx.data import ParallelIds, plan_batches, read_sources
+    from mtx.data import ParallelIds, plan_batches
     from mtx.loss import label_smoothed_loss
     from mtx.search import length_penalty
+    from mtx.text import read_sources
 
     last = tiny_run / "checkpoints" / "last.pt"
     args = ["score", "--run", str(tiny_run), "--checkpoint", str(last), "--data-dir", str(small_data), "--split", "val"]

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from mtx.checkpoint import load_run
-from mtx.data import Batch, pad_ids, read_lines
+from mtx.data import Batch, pad_ids
 from mtx.loss import label_smoothed_loss
 from mtx.model import make_src_mask
 from mtx.plot import read_metrics
 from mtx.search import beam_search, greedy_search, translate_ids
+from mtx.text import read_lines
 from mtx.tokenizer import BOS, EOS
 
 from .conftest import tiny_args

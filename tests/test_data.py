@@ -19,7 +19,6 @@ from mtx.config import DataConfig
 from mtx.data import (
     ParallelIds,
     available_splits,
-    clean_line,
     download_reason,
     epoch_batches,
     epoch_length,
@@ -27,17 +26,13 @@ from mtx.data import (
     is_test_split,
     load_corpus,
     multi30k_cache,
-    one_spaced,
     padding_fraction,
     plan_batches,
-    read_lines,
     resolve_data_dir,
-    stream_lines,
-    text_lines,
     texts,
-    warn_unless_nfc,
 )
 from mtx.errors import DataError
+from mtx.text import clean_line, one_spaced, read_lines, stream_lines, text_lines, warn_unless_nfc
 from mtx.tokenizer import BOS, EOS, PAD
 
 from .conftest import FakeMulti30k

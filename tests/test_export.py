@@ -19,10 +19,10 @@ from tokenizers import Tokenizer
 
 from mtx.checkpoint import load_run
 from mtx.cli import main
-from mtx.data import read_lines
 from mtx.errors import MtxError
 from mtx.export import export_ctranslate2
 from mtx.search import max_output_lengths, translate_ids
+from mtx.text import read_lines
 from mtx.tokenizer import EOS
 
 from .conftest import tiny_args

@@ -40,8 +40,9 @@ from mtx.checkpoint import (
 )
 from mtx.cli import main
 from mtx.config import TokenizerConfig, load_config
-from mtx.data import ParallelIds, epoch_length, read_lines
+from mtx.data import ParallelIds, epoch_length
 from mtx.errors import MtxError, command_line, memory_advice, own_command
+from mtx.text import read_lines
 from mtx.tokenizer import train_bpe
 
 from .conftest import REPO, TINY_CONFIG, main_in_process, script_in_process, tiny_args

@@ -16,7 +16,7 @@ import torch
 from mtx import errors, search
 from mtx.checkpoint import LoadedRun, load_run
 from mtx.config import ModelConfig
-from mtx.data import pad_ids, read_lines
+from mtx.data import pad_ids
 from mtx.model import Ensemble, Seq2Seq, make_src_mask
 from mtx.search import (
     beam_search,
@@ -27,6 +27,7 @@ from mtx.search import (
     translate_ids,
     within_positions,
 )
+from mtx.text import read_lines
 from mtx.tokenizer import BOS, EOS, PAD
 
 

@@ -11,10 +11,11 @@ import pytest
 from tokenizers import Tokenizer
 
 from mtx.config import DataConfig, TokenizerConfig
-from mtx.data import ParallelIds, clean_line, load_corpus, one_spaced, read_lines, stripped, texts
+from mtx.data import ParallelIds, load_corpus, texts
 from mtx.errors import CheckpointError
 from mtx.export import exported_tokenizer
 from mtx.punctuation import GROUPS, folded, load_folds
+from mtx.text import clean_line, one_spaced, read_lines, stripped
 from mtx.tokenizer import BOS, BPE, EOS, PAD, UNK, train_bpe, train_or_load
 
 
