@@ -1,7 +1,8 @@
 """Training: the LR schedule, the loop, validation, checkpoints (the loss: loss.py; the device
 and precision: device.py; the run directory's checks: rundir.py; train.log, metrics.jsonl and the
 progress bar: runlog.py; the stop signals and the loop's clock: clock.py; the loop's position, the
-random states and the moving average of the weights: state.py).
+random states and the moving average of the weights: state.py; what each epoch trains on:
+epochs.py).
 
 `fit` owns the loop; everything it needs to continue exactly where it stopped (model,
 optimizer, scaler, RNG states, step, epoch and batch position) goes into `last.pt`.
