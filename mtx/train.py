@@ -104,10 +104,11 @@ from mtx.rundir import (
     resolve_config,
     val_digest,
 )
-from mtx.runlog import HeldWarnings, RunLog, UntilReaderGone, append_record, progress_bar
+from mtx.runlog import HeldWarnings, RunLog, UntilReaderGone, append_record, progress_bar, zero_width_terminal
 from mtx.search import DecodeOutOfMemory, translate, translate_ids
 from mtx.state import MovingAverage, TrainState, rank_seed, rng_state, seed_everything, set_rng_state
 from mtx.text import read_lines, read_sources, warn_of_invisible_ends, warn_unless_nfc
+from mtx.threads import set_threads, usable_cpus
 from mtx.tokenizer import BPE, UNK, load_run_tokenizers, train_or_load
 
 if TYPE_CHECKING:
@@ -247,8 +248,6 @@ class Trainer:
         if ranks.is_main:  # another node cannot tell whether a writer's pid is alive
             for path in ckpt_io.clean_stale_tmp(ckpt_io.checkpoint_dir(run_dir)):
                 log.info("removed %s, left by an interrupted save", path)
-        from mtx.threads import set_threads
-
         set_threads(_thread_count(tc.threads) if tc.threads else 0)
         seed_everything(tc.seed)
         self.device = rank_device(tc.device, ranks)
@@ -1318,8 +1317,6 @@ class Trainer:
 
     def _progress_bar(self) -> Any:
         """The session's bar of steps, from the state's step to `end_step` (none on rank > 0)."""
-        from mtx.runlog import zero_width_terminal
-
         tc, st = self.cfg.train, self.state
         return progress_bar(
             (lambda: 60 * tc.max_minutes - st.elapsed) if tc.max_minutes else None,
@@ -1590,8 +1587,6 @@ class Trainer:
 def _thread_count(threads: int) -> int:
     """`train.threads`, at most the CPUs here: more only slows training, and a few thousand crash
     OpenMP. A config moves between machines, so a larger value is a warning, not an error."""
-    from mtx.threads import usable_cpus
-
     cpus = usable_cpus()
     if threads > cpus:
         log.warning("train.threads=%d is more than the %d CPUs here: training uses %d threads", threads, cpus, cpus)

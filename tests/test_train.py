@@ -620,9 +620,8 @@ def test_logged_throughput_leaves_out_validation_and_elapsed_time_counts_it(
     in four of the shipped configs was slowed down), and elapsed_s counts each validation when it
     ends (it came one step late, and the last one never)."""
     clock = [0.0]
-    fake_time = types.SimpleNamespace(perf_counter=lambda: clock[0])
-    monkeypatch.setattr(train_module, "time", fake_time)
-    monkeypatch.setattr(clock_module, "time", fake_time)  # the loop's PauseClock
+    # the loop's clock (PauseClock) reads it
+    monkeypatch.setattr(clock_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     tokens: list[int] = []
     step, validate = train_module.Trainer.train_step, train_module.Trainer.validate
 
