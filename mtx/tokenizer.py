@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from mtx.config import TokenizerConfig
 from mtx.errors import CheckpointError, process_limit
+from mtx.text import read_sources
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,8 +96,6 @@ class BPE:
         With `one_space`, each text is read as decoding reads a source line (`mtx.text.one_spaced`:
         runs of whitespace inside it one space too; `decode.normalize_spaces`), and with `folds`
         each of its characters read as another (`mtx.punctuation.folds`: `decode.normalize_punctuation`)."""
-        from mtx.text import read_sources  # (mtx.data imports this module)
-
         texts = read_sources(texts, one_space, folds)
         if max_pieces:
             texts = [self.head(text, max_pieces + 1) for text in texts]
